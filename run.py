@@ -1,0 +1,777 @@
+"""egg-jax: pretrain an int8 minGRU byte language model with integer-only EGGROLL evolution strategies.
+
+    python run.py --data stdlib --n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256
+    python run.py --data my_corpus.txt --validate_every 50
+    python run.py --help
+
+Weights, activations and hidden states are int8; matmuls accumulate in int32; every rescale is a
+shift, a clip to [-127, 127], a constant fixed-point multiplier or a small table. Training uses no
+gradients and no floating point: each generation evaluates a population of low-rank antithetic
+perturbations (noise from a counter-based RNG, never stored), and moves each parameter by +-1 where
+a Z-test on the fitness-weighted noise passes. The file reads top to bottom: Args, constants,
+integer math, model, noise, ES step, data, loop, main.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Args:
+    # experiment
+    seed: int = 0
+    """seed of the initial parameters and of every perturbation"""
+    num_epochs: int = 1000
+    """number of generations to train (one ES update each; the upstream name)"""
+
+    # data
+    data: str = "stdlib"
+    """training bytes: a file, a folder (every file in it), or 'stdlib' (Python's own sources, offline)"""
+    valid_data: Optional[str] = None
+    """a separate validation file or folder (default: hold out the end of --data)"""
+    valid_fraction: float = 0.01
+    """share of --data held out for validation when --valid_data is not given"""
+    dir_path: str = str(Path(__file__).resolve().parent / "cached_files")
+    """folder for cached corpora (a folder corpus is concatenated here once)"""
+
+    # population
+    parallel_generations_per_gpu: int = 1024
+    """population size: members evaluated per generation (even)"""
+    group_size: int = 2
+    """members that share one data sequence (even, divides the population)"""
+    tokens_per_update: int = 100
+    """bytes each member predicts per generation"""
+
+    # EGGROLL
+    alpha: float = 4.0
+    """< 1: fixed share of parameters allowed to move; > 1: schedule decaying to 2**-alpha"""
+    alpha_decay_timestep: int = 0
+    """generations over which an --alpha > 1 schedule decays (0: --num_epochs)"""
+    sigma_shift: int = 4
+    """perturbation scale sigma = 2**-sigma_shift (in weight units)"""
+    rank: int = 1
+    """rank r of each matrix perturbation A B^T / sqrt(r)"""
+    use_clt: bool = True
+    """weight the update by the noise values (else by their signs)"""
+    fast_fitness: bool = True
+    """fitness of a pair = sign of its difference (else the difference normalised by mean |difference|)"""
+    noise_reuse: int = 1
+    """generations that share one set of perturbations (0: one set for the whole run)"""
+    num_perturbations: int = 0
+    """number of distinct perturbations (even, divides the population; 0: one per member)"""
+
+    # model
+    n_layer: int = 6
+    """number of minGRU blocks"""
+    n_embd: int = 256
+    """width of the residual stream (a multiple of 4)"""
+
+    # validation
+    validate_every: int = 0
+    """generations between noise-free validations (0: only at the end)"""
+    validation_batch_size: int = 1024
+    """rows the validation data is cut into (evaluated in parallel)"""
+    validation_tokens: int = 0
+    """bytes per validation row (0: the whole held-out part)"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Constants. Every fixed-point format is named once here; "q" is the stored integer.
+
+VOCAB = 256  # bytes
+INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
+WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
+NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
+GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
+LOGIT_FRAC = 4  # logits are log2-probabilities up to a constant: real = q / 2**4 bits
+LL_FRAC = 8  # log-likelihoods and fitness, in bits: real = q / 2**8
+EXP_FRAC = 20  # terms 2**(-d / 2**LOGIT_FRAC) of the log-sum-exp: real = q / 2**20, q <= 2**20
+MANT_BITS = 10  # log2 of the mantissa is read from a table of 2**10 int32 entries (4 KiB)
+RECIP_BITS = 16  # layer-norm reciprocals 1/m for m in [1, 127]: real = q / 2**16 (128 int32)
+MUL_BITS = 14  # constant rescale multipliers: real = q / 2**14, q in (2**13, 2**14]
+GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed by 8 random bits
+FIT_ONE = 16  # normalised fitness: real = q / 16, clipped to int8
+MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
+PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
+BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
+i32 = jnp.int32
+
+
+class Config(NamedTuple):
+    """Static settings of the jitted functions (derived from Args, hashable)."""
+
+    n_layer: int
+    n_embd: int
+    population: int
+    group_size: int
+    tokens: int
+    seed: int
+    sigma_shift: int
+    rank: int
+    use_clt: bool
+    fast_fitness: bool
+    noise_reuse: int
+    distinct_pairs: int  # pairs with their own noise; members p and p + 2 * distinct_pairs share it
+
+
+def make_config(args: Args) -> Config:
+    population = args.parallel_generations_per_gpu
+    distinct = args.num_perturbations or population
+    return Config(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        population=population,
+        group_size=args.group_size,
+        tokens=args.tokens_per_update,
+        seed=args.seed,
+        sigma_shift=args.sigma_shift,
+        rank=args.rank,
+        use_clt=args.use_clt,
+        fast_fitness=args.fast_fitness,
+        noise_reuse=args.noise_reuse,
+        distinct_pairs=distinct // 2,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Integer math. In JAX `>>` on signed integers floors (rounds toward minus infinity).
+
+
+class Tables(NamedTuple):
+    """Small lookup tables, built on the host once (sizes in the comments)."""
+
+    gauss: np.ndarray  # (256,) int8: round(16 * normal quantile), noise of std ~1 at NOISE_FRAC
+    gauss_rank: np.ndarray  # (256,) int8: the same divided by sqrt(rank), for the B factors
+    exp2_frac: np.ndarray  # (16,) int32: round(2**(EXP_FRAC - i/16)), i in [0, 16)
+    log2_mant: np.ndarray  # (2**MANT_BITS,) int32: log2(1 + (i + 0.5) / 2**MANT_BITS) * 2**LL_FRAC
+    recip: np.ndarray  # (128,) int32: round(2**RECIP_BITS / m), recip[0] unused
+
+
+@lru_cache(maxsize=None)
+def make_tables(rank: int) -> Tables:
+    normal = statistics.NormalDist()
+    quantiles = np.array([normal.inv_cdf((i + 0.5) / 2**GAUSS_BITS) for i in range(2**GAUSS_BITS)])
+    mant = (np.arange(2**MANT_BITS) + 0.5) / 2**MANT_BITS
+    return Tables(
+        gauss=np.round(quantiles * 2**NOISE_FRAC).astype(np.int8),
+        gauss_rank=np.round(quantiles * 2**NOISE_FRAC / math.sqrt(rank)).astype(np.int8),
+        exp2_frac=np.round(2.0 ** (EXP_FRAC - np.arange(16) / 16)).astype(np.int32),
+        log2_mant=np.round(np.log2(1 + mant) * 2**LL_FRAC).astype(np.int32),
+        recip=np.round(2**RECIP_BITS / np.maximum(np.arange(128), 1)).astype(np.int32),
+    )
+
+
+def clip_int8(x):
+    """Clip an int32 tensor to [-127, 127] and store it as int8."""
+    return jnp.clip(x, -INT8_MAX, INT8_MAX).astype(jnp.int8)
+
+
+def clipped_add(*xs):
+    """Saturating sum of int8 (or int32) tensors, as int8."""
+    return clip_int8(sum(x.astype(i32) for x in xs))
+
+
+def round_shift(x, shift: int):
+    """x / 2**shift rounded half away from zero (symmetric, so +noise and -noise stay opposite)."""
+    x = x.astype(i32)
+    magnitude = (jnp.abs(x) + ((1 << shift) >> 1)) >> shift
+    return jnp.sign(x) * magnitude
+
+
+def divide_to_int8(acc, divisor: float):
+    """floor(acc / divisor) clipped to int8, for a constant divisor >= 1, as shifts and one multiply.
+
+    divisor = 2**k * c with c in [1, 2). acc is floored by 2**(k - g) (g guard bits), clipped to
+    +-2**(8 + g) (beyond which the result saturates anyway), multiplied by round(2**MUL_BITS / c)
+    <= 2**14 and floored by 2**(MUL_BITS + g): no intermediate exceeds 2**28. Exact when divisor
+    is a power of two.
+    """
+    k = int(math.floor(math.log2(divisor)))
+    mult = int(round(2**MUL_BITS * 2**k / divisor))
+    guard = min(k, 6)
+    z = jnp.clip(acc >> (k - guard), -(2 ** (8 + guard)), 2 ** (8 + guard))
+    return clip_int8((z * mult) >> (MUL_BITS + guard))
+
+
+def log2_likelihood(logits, target, tables: Tables):
+    """log2 softmax(logits)[target] at LL_FRAC, integers only. logits: (256,) int8 at LOGIT_FRAC.
+
+    With d = max - logits in [0, 254]: sum 2**(-d/16) = sum exp2_frac[d % 16] >> (d // 16), each
+    term <= 2**20 and the largest exactly 2**20, so 2**20 <= s < 2**28. log2 s = e + log2(1 + m)
+    with e the top bit (count leading zeros) and m the next MANT_BITS bits, read from a table.
+    """
+    logits = logits.astype(i32)
+    top = jnp.max(logits)
+    d = top - logits
+    s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4))
+    exponent = 31 - jax.lax.clz(s)  # in [20, 27]
+    mantissa = (s >> (exponent - MANT_BITS)) - (1 << MANT_BITS)
+    log2_s = ((exponent - EXP_FRAC) << LL_FRAC) + jnp.asarray(tables.log2_mant)[mantissa]
+    return ((logits[target] - top) << (LL_FRAC - LOGIT_FRAC)) - log2_s
+
+
+# ------------------------------------------------------------------------------------------------
+# Model: EGG, an int8 minGRU language model. A "member" is one population member; `nz` is its
+# noise (None for the noise-free model) and `sign` (+1 or -1) its antithetic side.
+
+
+def init_params(cfg: Config):
+    """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, 1) at
+    WEIGHT_FRAC, drawn from the same quantile table as the noise (no floating point)."""
+    tables = make_tables(cfg.rank)
+    key = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 0)  # 1: noise
+    n, L = cfg.n_embd, cfg.n_layer
+    shapes = dict(emb=(VOCAB, n), Wf=(n, n), Uf=(n, n), Wh=(n, n), Uh=(n, n))
+    shapes.update(W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n))
+    params = {}
+    for i, name in enumerate(PARAM_NAMES):
+        leading = (L,) if name in BLOCK_NAMES else ()
+        if name in MATRICES:
+            bits = jax.random.bits(jax.random.fold_in(key, i), leading + shapes[name], jnp.uint8)
+            params[name] = jnp.asarray(tables.gauss)[bits]
+        elif name.startswith("ln"):
+            params[name] = jnp.full(leading + (n,), 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
+        else:
+            params[name] = jnp.zeros(leading + (n,), jnp.int8)  # bias 0
+    return params
+
+
+def vector(p, nz, sign, sigma_shift: int):
+    """A vector parameter with its full-shape perturbation sign * sigma * noise."""
+    if nz is None:
+        return p
+    return clip_int8(p.astype(i32) + sign * round_shift(nz, NOISE_FRAC + sigma_shift - WEIGHT_FRAC))
+
+
+def matmul(x, w, nz, sign, sigma_shift: int):
+    """x (n,) int8 at any scale s -> x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built.
+
+    x W^T accumulates in int32 at scale s * 2**WEIGHT_FRAC. With A (m, r) and B (n, r) at
+    NOISE_FRAC (B already carries 1/sqrt(r)), sigma x E^T in the same units is
+    ((x B) >> NOISE_FRAC) A^T >> sigma_shift. Dividing by sqrt(n) keeps the output's scale ~ s.
+    """
+    acc = jnp.dot(x, w.T, preferred_element_type=i32)
+    if nz is not None:
+        a, b = nz
+        u = jnp.dot(x, b, preferred_element_type=i32) >> NOISE_FRAC  # (r,)
+        acc = acc + (jnp.dot(a.astype(i32), sign * u) >> sigma_shift)
+    return divide_to_int8(acc, 2**WEIGHT_FRAC * math.sqrt(x.shape[-1]))
+
+
+def embed(emb, tok, nz, sign, sigma_shift: int):
+    """Row `tok` of the embedding (+ sigma E[tok]), int8 at WEIGHT_FRAC."""
+    row = emb[tok].astype(i32)
+    if nz is not None:
+        a, b = nz  # a (256, r), b (n, r)
+        pert = jnp.dot(b, a[tok], preferred_element_type=i32)  # (n,) at 2 * NOISE_FRAC
+        row = row + ((sign * pert) >> (2 * NOISE_FRAC - WEIGHT_FRAC + sigma_shift))
+    return clip_int8(row)
+
+
+def layer_norm(x, gain, tables: Tables):
+    """Integer L1 layer norm: gain * x / mean|x|, int8 at WEIGHT_FRAC (mean |output| ~ gain)."""
+    total = jnp.sum(jnp.abs(x.astype(i32)))  # <= 127 n
+    mean = jnp.maximum(divide_to_int8(total, x.shape[-1]).astype(i32), 1)  # floor mean |x|, [1, 127]
+    scaled = x.astype(i32) * gain.astype(i32)  # |.| <= 127 * 127 < 2**14
+    return clip_int8((scaled * jnp.asarray(tables.recip)[mean]) >> RECIP_BITS)  # < 2**30
+
+
+def block(x, h, p, nz, sign, cfg: Config, tables: Tables):
+    """One minGRU block. x: residual stream (n,) int8 at WEIGHT_FRAC; h: hidden state (n,) int8
+    using the full range (real = q / 127). Returns the new stream and state."""
+
+    def nzs(name):
+        return None if nz is None else nz[name]
+
+    def vec(name):
+        return vector(p[name], nzs(name), sign, cfg.sigma_shift)
+
+    def mm(v, name):
+        return matmul(v, p[name], nzs(name), sign, cfg.sigma_shift)
+
+    a = layer_norm(x, vec("ln1"), tables)
+    # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
+    g = clipped_add(mm(a, "Wf"), mm(h, "Uf"), vec("bf")).astype(i32) + INT8_MAX
+    gated = ((g * h.astype(i32)) >> GATE_BITS).astype(jnp.int8)
+    # candidate: clipping to int8 is the (hard) tanh
+    c = clipped_add(mm(a, "Wh"), mm(gated, "Uh"), vec("bh")).astype(i32)
+    h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
+    x = clipped_add(x, h)
+    a = layer_norm(x, vec("ln2"), tables)
+    hidden = jnp.maximum(mm(a, "W1"), 0)  # ReLU, (4n,)
+    return clipped_add(x, mm(hidden, "W2")), h
+
+
+def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables):
+    """One byte through the model: logits (256,) int8 at LOGIT_FRAC, new states (L, n)."""
+
+    def nzs(name):
+        return None if nz is None else nz[name]
+
+    x = embed(params["emb"], tok, nzs("emb"), sign, cfg.sigma_shift)
+    block_params = {k: params[k] for k in BLOCK_NAMES}
+    block_noise = None if nz is None else {k: nz[k] for k in BLOCK_NAMES}
+
+    def layer(x, inputs):
+        p, n, h_layer = inputs
+        return block(x, h_layer, p, n, sign, cfg, tables)
+
+    x, h = jax.lax.scan(layer, x, (block_params, block_noise, h))
+    x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, cfg.sigma_shift), tables)
+    return matmul(x, params["head"], nzs("head"), sign, cfg.sigma_shift), h
+
+
+def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, tables: Tables):
+    """Sum of log2 p(target | prefix) at LL_FRAC over a sequence, and the final hidden states.
+    The state resets to zero whenever the input byte is 0 (a document separator)."""
+
+    def step(h, io):
+        tok, target = io
+        h = jnp.where(tok == 0, jnp.zeros_like(h), h)
+        logits, h = token_logits(params, nz, sign, h, tok, cfg, tables)
+        return h, log2_likelihood(logits, target, tables)
+
+    h, ll = jax.lax.scan(step, h, (inputs, targets))
+    return jnp.sum(ll), h
+
+
+# ------------------------------------------------------------------------------------------------
+# Noise. Every entry is a pure function of (seed, parameter, layer, generation // noise_reuse,
+# pair, element) through JAX's counter-based threefry RNG: nothing is pre-sampled or stored
+# between generations. Matrices get rank-r factors A (m, r), B (n, r); vectors full-shape noise.
+
+
+def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
+    n = cfg.n_embd
+    return dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n)).get(
+        name, (n, n) if name in MATRICES else (n,)
+    )
+
+
+def pair_noise(cfg: Config, bucket, pair):
+    """Noise of one antithetic pair: {name: (A, B) or vector}, int8 at NOISE_FRAC; block
+    parameters carry a leading n_layer axis."""
+    tables = make_tables(cfg.rank)
+    root = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 1)  # 0: init
+
+    def leaf(key, name):
+        key = jax.random.fold_in(jax.random.fold_in(key, bucket), pair)
+        shape = param_shape(name, cfg)
+        if name not in MATRICES:
+            return jnp.asarray(tables.gauss)[jax.random.bits(key, shape, jnp.uint8)]
+        a_bits = jax.random.bits(jax.random.fold_in(key, 0), (shape[0], cfg.rank), jnp.uint8)
+        b_bits = jax.random.bits(jax.random.fold_in(key, 1), (shape[1], cfg.rank), jnp.uint8)
+        return jnp.asarray(tables.gauss)[a_bits], jnp.asarray(tables.gauss_rank)[b_bits]
+
+    noise = {}
+    for i, name in enumerate(PARAM_NAMES):
+        key = jax.random.fold_in(root, i)
+        if name in BLOCK_NAMES:
+            layers = jnp.arange(cfg.n_layer)
+            noise[name] = jax.vmap(lambda l: leaf(jax.random.fold_in(key, l), name))(layers)
+        else:
+            noise[name] = leaf(key, name)
+    return noise
+
+
+def generation_noise(cfg: Config, generation):
+    """Noise of every distinct pair for this generation: leaves with a leading (pairs,) axis."""
+    bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
+    pairs = jnp.arange(cfg.distinct_pairs)
+    return jax.vmap(lambda k: pair_noise(cfg, bucket, k))(pairs)
+
+
+# ------------------------------------------------------------------------------------------------
+# ES step. Members are laid out as (repeats, distinct_pairs, 2): member p = 2 * pair + side
+# (+ repeat * 2 * distinct_pairs), side 0 adds the noise and side 1 subtracts it.
+
+
+def population_fitness(params, noise, states, inputs, targets, cfg: Config):
+    """Fitness (log2-likelihood sums at LL_FRAC) of every member and their new states.
+    states: (P, L, n) int8; inputs, targets: (P, T) uint8."""
+    tables = make_tables(cfg.rank)
+    repeats = cfg.population // (2 * cfg.distinct_pairs)
+    layout = (repeats, cfg.distinct_pairs, 2)
+
+    def member(nz, sign, h, x, y):
+        return sequence_log2_likelihood(params, nz, sign, h, x, y, cfg, tables)
+
+    over_sides = jax.vmap(member, in_axes=(None, 0, 0, 0, 0))
+    over_pairs = jax.vmap(over_sides, in_axes=(0, None, 0, 0, 0))
+    over_repeats = jax.vmap(over_pairs, in_axes=(None, None, 0, 0, 0))
+    signs = jnp.array([1, -1], i32)
+    fitness, states = over_repeats(
+        noise,
+        signs,
+        states.reshape(layout + states.shape[1:]),
+        inputs.reshape(layout + inputs.shape[1:]),
+        targets.reshape(layout + targets.shape[1:]),
+    )
+    return fitness.reshape(-1), states.reshape((cfg.population,) + states.shape[3:])
+
+
+def shape_fitness(fitness, cfg: Config):
+    """One integer score per pair from its two members' fitness: the sign of the difference
+    (--fast_fitness), or the difference / mean|difference| at FIT_ONE, clipped to int8."""
+    diff = fitness[0::2] - fitness[1::2]
+    if cfg.fast_fitness:
+        return jnp.sign(diff)
+    size = jnp.abs(diff)
+    pairs = diff.shape[0]
+    # shift the magnitudes so that their sum fits in int32, then take the floor mean
+    shift = jnp.maximum(0, (32 - jax.lax.clz(jnp.max(size))) + pairs.bit_length() - 31)
+    mean = jnp.maximum((jnp.sum(size >> shift) // pairs) << shift, 1)
+    scaled = (jnp.minimum(size, 2**23) * FIT_ONE) // mean  # < 2**27
+    return jnp.sign(diff) * jnp.minimum(scaled, INT8_MAX)
+
+
+def null_std(cfg: Config) -> tuple[float, float]:
+    """Standard deviation of Z for a matrix entry and a vector entry when fitness is unrelated to
+    the noise (the Z-test's null hypothesis), from the exact variances of the noise tables."""
+    tables = make_tables(cfg.rank)
+    pairs = cfg.population // 2
+    # RMS of the shaped fitness: 1 for signs; |d| / mean|d| has RMS sqrt(pi / 2) for normal d
+    fitness_rms = 1.0 if cfg.fast_fitness else FIT_ONE * math.sqrt(math.pi / 2)
+    if cfg.use_clt:
+        a = float(np.mean(tables.gauss.astype(np.float64) ** 2))
+        b = float(np.mean(tables.gauss_rank.astype(np.float64) ** 2))
+    else:
+        a = b = 1.0
+    matrix = fitness_rms * math.sqrt(pairs * cfg.rank * a * b)
+    return matrix, fitness_rms * math.sqrt(pairs * a)
+
+
+def alpha_schedule(args: Args) -> np.ndarray:
+    """Share of parameters allowed to move at each generation (the Z-test's two-sided level)."""
+    steps = np.arange(args.num_epochs, dtype=np.float64)
+    if args.alpha <= 1:
+        return np.full(args.num_epochs, args.alpha)
+    horizon = args.alpha_decay_timestep or args.num_epochs
+    progress = np.minimum(steps / horizon, 1.0)
+    return 1.0 / ((2.0**args.alpha - 1.0) * progress + 1.0)
+
+
+def z_thresholds(args: Args) -> np.ndarray:
+    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation."""
+    normal = statistics.NormalDist()
+    stds = np.array(null_std(make_config(args)))
+    z = np.array([normal.inv_cdf(1 - a / 2) for a in alpha_schedule(args)])
+    return np.minimum(np.ceil(z[:, None] * stds[None, :]), 2**31 - 1).astype(np.int32)
+
+
+def operand_dtype(bound: int):
+    """Smallest signed integer type holding values up to `bound` in magnitude."""
+    return jnp.int8 if bound <= INT8_MAX else jnp.int16 if bound < 2**15 else i32
+
+
+def es_update(params, noise, scores, thresholds, cfg: Config):
+    """Move each parameter by +-1 where the fitness-weighted noise Z passes the Z-test.
+
+    scores: (pairs,) shaped fitness. Pairs sharing noise are summed first, so Z is one int32
+    matrix product per parameter: Z = sum_k w_k A_k B_k^T (or the signs of A and B).
+    Returns the new parameters and the number of entries that moved.
+    """
+    repeats = cfg.population // (2 * cfg.distinct_pairs)
+    weights = scores.reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
+    tables = make_tables(cfg.rank)
+    noise_max = int(np.abs(tables.gauss).max()) if cfg.use_clt else 1
+    dtype = operand_dtype(noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX))
+
+    def prepare(n):
+        return n if cfg.use_clt else jnp.sign(n)
+
+    new, moved = {}, jnp.zeros((), i32)
+    for name in PARAM_NAMES:
+        if name in MATRICES:
+            a, b = map(prepare, noise[name])
+            weighted = (a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))).astype(dtype)
+            z = jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
+            threshold = thresholds[0]
+        else:
+            z = jnp.einsum("k...n,k->...n", prepare(noise[name]), weights, preferred_element_type=i32)
+            threshold = thresholds[1]
+        step = jnp.sign(z) * (jnp.abs(z) > threshold)
+        new[name] = clip_int8(params[name].astype(i32) + step)
+        moved = moved + jnp.sum(new[name] != params[name])
+    return new, moved
+
+
+def make_generation_step(cfg: Config):
+    """One generation as one jitted call: population fitness, then the update.
+
+    step(params, states, batch, generation, thresholds) -> (params, states, fitness, moved)
+    batch: (P / group_size, T + 1) uint8, one data sequence per group of members.
+    """
+
+    def step(params, states, batch, generation, thresholds):
+        noise = generation_noise(cfg, generation)
+        tokens = jnp.repeat(batch, cfg.group_size, axis=0)  # (P, T + 1)
+        fitness, states = population_fitness(
+            params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg
+        )
+        params, moved = es_update(params, noise, shape_fitness(fitness, cfg), thresholds, cfg)
+        return params, states, fitness, moved
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_evaluate(cfg: Config):
+    """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,)."""
+    tables = make_tables(cfg.rank)
+
+    def evaluate(params, rows):
+        h = jnp.zeros((rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
+
+        def row(h, x, y):
+            return sequence_log2_likelihood(params, None, 1, h, x, y, cfg, tables)[0]
+
+        return jax.vmap(row)(h, rows[:, :-1], rows[:, 1:])
+
+    return jax.jit(evaluate)
+
+
+def initial_states(cfg: Config):
+    return jnp.zeros((cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: a corpus is a read-only memory-mapped uint8 array; documents are separated by byte 0.
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2, no traceback."""
+
+
+def stdlib_folder() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(folder: Path, suffix: str = "") -> list[Path]:
+    """Every regular file under `folder` (sorted, so the corpus is the same on every run)."""
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+        files += [Path(root) / f for f in sorted(names) if f.endswith(suffix) and not f.startswith(".")]
+    return [f for f in files if f.is_file()]
+
+
+def concatenate_files(files: list[Path], cache_dir: Path, name: str) -> Path:
+    """Concatenate files, each prefixed by byte 0, into one cached file (streamed, never whole in
+    memory; written to a temporary name and renamed, so a kill never leaves a broken cache)."""
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    digest = hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
+    out = cache_dir / f"{name}-{digest}.bin"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as sink:
+        for f in files:
+            sink.write(b"\0")
+            with open(f, "rb") as source:
+                shutil.copyfileobj(source, sink, 1 << 20)
+    os.replace(tmp, out)
+    return out
+
+
+def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
+    """Bytes of a corpus: 'stdlib', a file, or a folder, as a read-only memory map."""
+    if spec == "stdlib":
+        files = corpus_files(stdlib_folder(), ".py")
+        path = concatenate_files(files, Path(cache_dir), f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}")
+    else:
+        source = Path(spec).expanduser()
+        if not source.exists():
+            raise UserError(f"data path {spec!r} does not exist: give a file, a folder or 'stdlib'")
+        if source.is_dir():
+            files = corpus_files(source)
+            if not files:
+                raise UserError(f"data folder {spec!r} holds no files")
+            path = concatenate_files(files, Path(cache_dir), source.resolve().name or "root")
+        else:
+            path = source
+    if path.stat().st_size == 0:
+        raise UserError(f"data file {spec!r} is empty: give a file with some text")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def split_corpus(args: Args) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) bytes: the end of --data is held out unless --valid_data is given."""
+    train = load_corpus(args.data, args.dir_path)
+    if args.valid_data is not None:
+        return train, load_corpus(args.valid_data, args.dir_path)
+    held_out = max(2 * args.validation_batch_size, int(len(train) * args.valid_fraction))
+    if held_out >= len(train) // 2:
+        raise UserError(
+            f"--data has {len(train)} bytes: too few to hold out {held_out} for validation; "
+            "give more data, a smaller --validation_batch_size, or --valid_data"
+        )
+    return train[:-held_out], train[-held_out:]
+
+
+class Stream(NamedTuple):
+    """Where each data sequence reads: sequence s starts at s * stride and advances
+    tokens_per_update bytes per generation, wrapping after `windows` generations."""
+
+    stride: int
+    windows: int
+
+
+def make_stream(num_bytes: int, cfg: Config) -> Stream:
+    sequences = cfg.population // cfg.group_size
+    stride = num_bytes // sequences
+    windows = (stride - 1) // cfg.tokens
+    if windows < 1:
+        raise UserError(
+            f"training data has {num_bytes} bytes: too short for {sequences} sequences of "
+            f"{cfg.tokens + 1} bytes; use more data, a larger --group_size or fewer --tokens_per_update"
+        )
+    return Stream(stride, windows)
+
+
+def batch_at(train: np.ndarray, stream: Stream, cfg: Config, generation: int) -> np.ndarray:
+    """(sequences, T + 1) uint8: the bytes every sequence reads at this generation."""
+    sequences = cfg.population // cfg.group_size
+    starts = np.arange(sequences) * stream.stride + (generation % stream.windows) * cfg.tokens
+    return np.asarray(train[starts[:, None] + np.arange(cfg.tokens + 1)])
+
+
+def validation_rows(valid: np.ndarray, args: Args) -> np.ndarray:
+    """(rows, L) uint8: the validation bytes cut into --validation_batch_size rows."""
+    rows = min(args.validation_batch_size, len(valid) // 2)
+    length = len(valid) // rows
+    if args.validation_tokens:
+        length = min(length, args.validation_tokens + 1)
+    if rows < 1 or length < 2:
+        raise UserError(f"validation data has {len(valid)} bytes: give at least 2")
+    starts = np.arange(rows) * (len(valid) // rows)
+    return np.asarray(valid[starts[:, None] + np.arange(length)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Loop
+
+
+def check_args(args: Args) -> None:
+    """Refuse a bad configuration with one clear line before anything is compiled."""
+    p, g = args.parallel_generations_per_gpu, args.group_size
+    for name in ("parallel_generations_per_gpu", "num_epochs", "tokens_per_update", "n_layer",
+                 "n_embd", "rank", "validation_batch_size", "group_size"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
+    for name in ("validate_every", "noise_reuse", "num_perturbations", "alpha_decay_timestep",
+                 "validation_tokens"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if p % 2:
+        raise UserError(f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}")
+    if g % 2 or p % g:
+        raise UserError(f"--group_size must be even and divide the population {p}, got {g}")
+    n = args.num_perturbations
+    if n and (n % 2 or p % n):
+        raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
+    if args.n_embd % 4:
+        raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
+    if not args.alpha > 0:
+        raise UserError(f"--alpha must be > 0 (a share < 1, or a schedule exponent > 1), got {args.alpha}")
+    if not 0 <= args.sigma_shift <= 15:
+        raise UserError(f"--sigma_shift must be in [0, 15], got {args.sigma_shift}")
+    if args.rank > 64:
+        raise UserError(f"--rank must be in [1, 64], got {args.rank}")
+    if not 0 < args.valid_fraction < 0.5:
+        raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
+
+
+def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
+    return -float(log2_likelihood_sum) / (num_tokens * 2**LL_FRAC)
+
+
+def train(args: Args) -> dict:
+    """Train for --num_epochs generations; return the last metrics."""
+    from tqdm import tqdm
+
+    check_args(args)
+    start = time.time()
+    cfg = make_config(args)
+    train_bytes, valid_bytes = split_corpus(args)
+    stream = make_stream(len(train_bytes), cfg)
+    rows = jnp.asarray(validation_rows(valid_bytes, args))
+    thresholds = z_thresholds(args)
+
+    params = init_params(cfg)
+    states = initial_states(cfg)
+    step = make_generation_step(cfg)
+    evaluate = make_evaluate(cfg)
+    num_params = sum(int(p.size) for p in params.values())
+    print(
+        f"egg-jax: {num_params:,} int8 parameters, population {cfg.population}, "
+        f"{len(train_bytes):,} training bytes, {rows.size:,} validation bytes, "
+        f"device {jax.devices()[0].platform}"
+    )
+
+    def validate(params) -> float:
+        return bits_per_byte(np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64),
+                             rows.shape[0] * (rows.shape[1] - 1))
+
+    metrics, val_bpb = {}, float("nan")
+    tokens_per_generation = cfg.population * cfg.tokens
+    bar = tqdm(range(args.num_epochs), dynamic_ncols=True)
+    for generation in bar:
+        tick = time.time()
+        batch = batch_at(train_bytes, stream, cfg, generation)
+        params, states, fitness, moved = step(
+            params, states, batch, np.int32(generation), thresholds[generation]
+        )
+        fitness = np.asarray(fitness)
+        seconds = time.time() - tick
+        if generation == 0:
+            print(f"first generation done {time.time() - start:.1f} s after start")
+        metrics = {
+            "train/bits_per_byte": bits_per_byte(fitness.astype(np.int64).mean(), cfg.tokens),
+            "train/moved_fraction": int(moved) / num_params,
+            "perf/tokens_per_s": tokens_per_generation / seconds,
+            "perf/generation": generation + 1,
+        }
+        last = generation == args.num_epochs - 1
+        if last or (args.validate_every and (generation + 1) % args.validate_every == 0):
+            val_bpb = validate(params)
+            metrics["val/bits_per_byte"] = val_bpb
+        bar.set_postfix(
+            train=f"{metrics['train/bits_per_byte']:.3f}",
+            val=f"{val_bpb:.3f}",
+            tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
+        )
+    print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
+    metrics["params"] = params
+    return metrics
+
+
+def main(args: Args) -> None:
+    try:
+        train(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
