@@ -1,0 +1,126 @@
+"""Counter-based noise and the low-rank perturbed forward."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import run
+
+
+def cfg(**overrides):
+    args = dict(n_embd=16, n_layer=2, parallel_generations_per_gpu=8, num_epochs=4)
+    args.update(overrides)
+    return run.make_config(run.Args(**args))
+
+
+def flat(noise):
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(noise)]).astype(np.float64)
+
+
+def test_same_counters_give_the_same_values_jitted_or_not():
+    c = cfg()
+    eager = run.pair_noise(c, 3, 2)
+    jitted = jax.jit(lambda b, k: run.pair_noise(c, b, k))(3, 2)
+    batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, jnp.int32(3)))
+    for x, y, z in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched)):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, z)
+
+
+def test_mean_and_variance_as_intended():
+    c = cfg(n_embd=64)
+    values = np.concatenate([flat(run.pair_noise(c, 0, k)) for k in range(8)])
+    gauss = run.make_tables(1).gauss.astype(np.float64)
+    mean, var = gauss.mean(), gauss.var()  # the table is every quantile once: exact moments
+    assert mean == 0 and 15**2 < var < 16**2  # N(0, 1) at 4 fractional bits, tails cut at 2.9 sd
+    n = values.size
+    assert abs(values.mean()) < 5 * math.sqrt(var / n)
+    fourth = np.mean(gauss**4)
+    assert abs(values.var() - var) < 5 * math.sqrt((fourth - var**2) / n)
+
+
+@pytest.mark.parametrize("rank", [2, 3, 16])
+def test_rank_scaling_keeps_the_variance_of_a_b_transposed(rank):
+    tables = run.make_tables(rank)
+    a, b = tables.gauss.astype(np.float64), tables.gauss_rank.astype(np.float64)
+    # entry variance of A B^T / 256 (a sum of r products) stays ~1 whatever the rank
+    assert abs(rank * a.var() * b.var() / 2**16 - 0.95) < 0.1
+
+
+def corr(x, y):
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def test_independence_between_pairs_parameters_and_generations():
+    c = cfg(n_embd=64)
+    base = run.pair_noise(c, 0, 0)
+    other_pair = run.pair_noise(c, 0, 1)
+    other_generation = run.pair_noise(c, 1, 0)
+    bound = 5 / math.sqrt(flat(base).size)
+    assert abs(corr(flat(base), flat(other_pair))) < bound
+    assert abs(corr(flat(base), flat(other_generation))) < bound
+    wf, uf = np.asarray(base["Wf"][0]).ravel(), np.asarray(base["Uf"][0]).ravel()
+    layers = np.asarray(base["Wf"][0][0]).ravel(), np.asarray(base["Wf"][0][1]).ravel()
+    assert abs(corr(wf, uf)) < 5 / math.sqrt(wf.size)
+    assert abs(corr(*layers)) < 5 / math.sqrt(layers[0].size)
+    a, b = (np.asarray(x).ravel()[:64] for x in base["W1"])
+    assert not np.array_equal(a, b)
+
+
+def test_noise_reuse():
+    for reuse, same, different in ((0, [(0, 999)], []), (4, [(0, 3), (4, 7)], [(3, 4)])):
+        c = cfg(noise_reuse=reuse)
+        for g1, g2 in same + different:
+            x = flat(run.generation_noise(c, jnp.int32(g1)))
+            y = flat(run.generation_noise(c, jnp.int32(g2)))
+            assert np.array_equal(x, y) == ((g1, g2) in same)
+
+
+def test_antithetic_members_get_opposite_perturbations():
+    nz = run.pair_noise(cfg(), 0, 0)["bf"][0]
+    zero = jnp.zeros(16, jnp.int8)
+    plus = np.asarray(run.vector(zero, nz, 1, 4))
+    minus = np.asarray(run.vector(zero, nz, -1, 4))
+    np.testing.assert_array_equal(plus, -minus)
+    assert np.any(plus != 0)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, sign):
+    c = cfg(n_embd=64, rank=rank, sigma_shift=2)
+    rng = np.random.default_rng(rank)
+    w = rng.integers(-60, 61, (96, 64)).astype(np.int8)
+    tables = run.make_tables(rank)
+    a = tables.gauss[rng.integers(0, 256, (96, rank))]
+    b = tables.gauss_rank[rng.integers(0, 256, (64, rank))]
+    sigma = 2.0**-c.sigma_shift
+    # explicit: W' = W/16 + sign sigma A B^T / 256 (real units), output = x W'^T * 16 / (16 sqrt(n))
+    e = a.astype(np.float64) @ b.T.astype(np.float64) / 2**8
+    w_real = w / 16 + sign * sigma * e
+    worst, exact_share = 0.0, []
+    for _ in range(40):
+        x = rng.integers(-127, 128, 64).astype(np.int8)
+        want = x.astype(np.float64) @ w_real.T * 16 / (16 * math.sqrt(64))
+        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)),
+                                    sign, c.sigma_shift)).astype(np.float64)
+        want_int = np.clip(np.floor(want), -127, 127)
+        worst = max(worst, np.max(np.abs(got - np.clip(want, -127, 127))))
+        exact_share.append(np.mean(got == want_int))
+    assert worst < 1.1  # a floor of the exact value, up to the int32 rounding of (x B) >> 4
+    assert np.mean(exact_share) > 0.97
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_embedding_perturbation_equals_explicit_row(rank):
+    c = cfg(n_embd=16, rank=rank, sigma_shift=1)
+    nz = run.pair_noise(c, 0, 2)["emb"]
+    params = run.init_params(c)
+    a, b = (np.asarray(x, np.float64) for x in nz)
+    explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-c.sigma_shift * (a @ b.T) / 2**8
+    for tok in (0, 65, 255):
+        got = np.asarray(run.embed(params["emb"], tok, nz, 1, c.sigma_shift))
+        assert np.max(np.abs(got - np.clip(explicit[tok], -127, 127))) < 1

@@ -1,0 +1,134 @@
+"""The ES update against a slow numpy reference, fitness shaping and the Z-test's calibration."""
+
+import math
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import run
+
+
+def tiny(**overrides):
+    args = dict(n_embd=4, n_layer=1, parallel_generations_per_gpu=8, num_epochs=10, rank=2)
+    args.update(overrides)
+    return run.Args(**args)
+
+
+def reference_update(params, noise, scores, thresholds, c):
+    """Entry by entry: Z = sum over pairs k of score_k * sum_r a_k[i, r] * b_k[j, r]."""
+    pairs = c.population // 2
+    new = {}
+    for name, p in params.items():
+        p = np.asarray(p).astype(np.int64)
+        out = p.copy()
+        if name in run.MATRICES:
+            a_all, b_all = (np.asarray(x).astype(np.int64) for x in noise[name])
+            if not c.use_clt:
+                a_all, b_all = np.sign(a_all), np.sign(b_all)
+            threshold = thresholds[0]
+        else:
+            v_all = np.asarray(noise[name]).astype(np.int64)
+            if not c.use_clt:
+                v_all = np.sign(v_all)
+            threshold = thresholds[1]
+        for index in np.ndindex(p.shape):
+            z = 0
+            for k in range(pairs):
+                j = k % c.distinct_pairs
+                if name in run.MATRICES:
+                    *layer, row, col = index
+                    a, b = a_all[j][tuple(layer)], b_all[j][tuple(layer)]
+                    z += int(scores[k]) * sum(int(a[row, r] * b[col, r]) for r in range(c.rank))
+                else:
+                    z += int(scores[k]) * int(v_all[j][index])
+            if abs(z) > threshold:
+                out[index] = min(127, max(-127, p[index] + (1 if z > 0 else -1)))
+        new[name] = out
+    return new
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(num_perturbations=4),
+     dict(fast_fitness=False, use_clt=False, num_perturbations=2)],
+)
+def test_update_equals_slow_numpy_reference(overrides):
+    args = tiny(**overrides)
+    c = run.make_config(args)
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.integers(-127, 128, np.shape(v)).astype(np.int8))
+              for k, v in run.init_params(c).items()}
+    params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
+    noise = run.generation_noise(c, jnp.int32(3))
+    scores = np.array([1, -1, 1, 1] if c.fast_fitness else [100, -37, 5, -127])
+    # low enough that many entries move (sign mode: |Z| <= pairs * rank)
+    thresholds = np.array([300, 12] if c.use_clt else [2, 1], np.int32)
+    got, moved = run.es_update(params, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
+    want = reference_update(params, noise, scores, thresholds, c)
+    changed = 0
+    for name in run.PARAM_NAMES:
+        np.testing.assert_array_equal(np.asarray(got[name]), want[name], err_msg=name)
+        changed += int(np.sum(want[name] != np.asarray(params[name])))
+    assert int(moved) == changed > 0
+
+
+def test_fast_fitness_is_the_sign_of_the_pair_difference():
+    c = run.make_config(tiny())
+    fitness = jnp.array([5, 3, -2, -2, -9, 0, 7, 100], jnp.int32)
+    np.testing.assert_array_equal(run.shape_fitness(fitness, c), [1, 0, -1, -1])
+
+
+def test_normalised_fitness_divides_by_mean_absolute_difference():
+    c = run.make_config(tiny(fast_fitness=False))
+    fitness = np.array([100, 0, 0, 300, 5, 5, 0, 4000], np.int32)  # diffs 100, -300, 0, -4000
+    mean = (100 + 300 + 0 + 4000) // 4
+    want = [100 * 16 // mean, -(300 * 16 // mean), 0, -(4000 * 16 // mean)]
+    np.testing.assert_array_equal(run.shape_fitness(jnp.asarray(fitness), c), want)
+    outlier = np.zeros(16, np.int32)
+    outlier[0:14:2], outlier[14] = 1, 10000  # diffs 1 (x7) and 10000: 10000 * 16 / 1250 > 127
+    np.testing.assert_array_equal(run.shape_fitness(jnp.asarray(outlier), c), [0] * 7 + [127])
+    # all ties: zero scores, never a division by zero
+    np.testing.assert_array_equal(run.shape_fitness(jnp.zeros(8, jnp.int32), c), 0)
+
+
+def test_alpha_schedule():
+    fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
+    np.testing.assert_allclose(fixed, 0.25)
+    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=101, alpha_decay_timestep=50))
+    assert decay[0] == 1.0 and np.all(np.diff(decay) <= 0)
+    np.testing.assert_allclose(decay[50:], 2.0**-4)
+    default_horizon = run.alpha_schedule(run.Args(alpha=3.0, num_epochs=9))
+    np.testing.assert_allclose(default_horizon[-1], 1 / (7 * 8 / 9 + 1))
+
+
+def test_thresholds_use_the_library_normal_quantile():
+    args = run.Args(alpha=0.05, num_epochs=3, parallel_generations_per_gpu=64)
+    matrix_std, vector_std = run.null_std(run.make_config(args))
+    z = statistics.NormalDist().inv_cdf(0.975)
+    np.testing.assert_array_equal(run.z_thresholds(args)[1], [math.ceil(z * matrix_std),
+                                                              math.ceil(z * vector_std)])
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3)]
+)
+def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
+    """With fitness unrelated to the noise, a level-alpha Z-test moves ~alpha of the entries."""
+    alpha = 0.2
+    args = run.Args(n_embd=16, n_layer=1, parallel_generations_per_gpu=512, num_epochs=1,
+                    alpha=alpha, **overrides)
+    c = run.make_config(args)
+    params = run.init_params(c)
+    noise = run.generation_noise(c, jnp.int32(0))
+    rng = np.random.default_rng(1)
+    fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
+    scores = run.shape_fitness(fitness, c)
+    _, moved = jax.jit(lambda p, n, s, t: run.es_update(p, n, s, t, c))(
+        params, noise, scores, run.z_thresholds(args)[0])
+    total = sum(int(p.size) for p in params.values())
+    share = int(moved) / total
+    # entries are not independent (they share the fitness), so allow 3x the binomial spread
+    assert abs(share - alpha) < 0.05, share
