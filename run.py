@@ -23,9 +23,9 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cache
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ class Args:
     # data
     data: str = "stdlib"
     """training bytes: a file, a folder (every file in it), or 'stdlib' (Python's own sources, offline)"""
-    valid_data: Optional[str] = None
+    valid_data: str | None = None
     """a separate validation file or folder (default: hold out the end of --data)"""
     valid_fraction: float = 0.01
     """share of --data held out for validation when --valid_data is not given"""
@@ -163,7 +163,7 @@ class Tables(NamedTuple):
     recip: np.ndarray  # (128,) int32: round(2**RECIP_BITS / m), recip[0] unused
 
 
-@lru_cache(maxsize=None)
+@cache
 def make_tables(rank: int) -> Tables:
     normal = statistics.NormalDist()
     quantiles = np.array([normal.inv_cdf((i + 0.5) / 2**GAUSS_BITS) for i in range(2**GAUSS_BITS)])
@@ -379,15 +379,14 @@ def pair_noise(cfg: Config, bucket, pair):
         b_bits = jax.random.bits(jax.random.fold_in(key, 1), (shape[1], cfg.rank), jnp.uint8)
         return jnp.asarray(tables.gauss)[a_bits], jnp.asarray(tables.gauss_rank)[b_bits]
 
-    noise = {}
-    for i, name in enumerate(PARAM_NAMES):
-        key = jax.random.fold_in(root, i)
-        if name in BLOCK_NAMES:
-            layers = jnp.arange(cfg.n_layer)
-            noise[name] = jax.vmap(lambda l: leaf(jax.random.fold_in(key, l), name))(layers)
-        else:
-            noise[name] = leaf(key, name)
-    return noise
+    def stacked(key, name):
+        layer_keys = jax.vmap(lambda layer: jax.random.fold_in(key, layer))(jnp.arange(cfg.n_layer))
+        return jax.vmap(leaf, in_axes=(0, None))(layer_keys, name)
+
+    return {
+        name: (stacked if name in BLOCK_NAMES else leaf)(jax.random.fold_in(root, i), name)
+        for i, name in enumerate(PARAM_NAMES)
+    }
 
 
 def generation_noise(cfg: Config, generation):
@@ -522,9 +521,7 @@ def make_generation_step(cfg: Config):
     def step(params, states, batch, generation, thresholds):
         noise = generation_noise(cfg, generation)
         tokens = jnp.repeat(batch, cfg.group_size, axis=0)  # (P, T + 1)
-        fitness, states = population_fitness(
-            params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg
-        )
+        fitness, states = population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg)
         params, moved = es_update(params, noise, shape_fitness(fitness, cfg), thresholds, cfg)
         return params, states, fitness, moved
 
@@ -595,7 +592,8 @@ def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
     """Bytes of a corpus: 'stdlib', a file, or a folder, as a read-only memory map."""
     if spec == "stdlib":
         files = corpus_files(stdlib_folder(), ".py")
-        path = concatenate_files(files, Path(cache_dir), f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}")
+        version = f"py{sys.version_info[0]}{sys.version_info[1]}"
+        path = concatenate_files(files, Path(cache_dir), f"stdlib-{version}")
     else:
         source = Path(spec).expanduser()
         if not source.exists():
@@ -672,12 +670,25 @@ def validation_rows(valid: np.ndarray, args: Args) -> np.ndarray:
 def check_args(args: Args) -> None:
     """Refuse a bad configuration with one clear line before anything is compiled."""
     p, g = args.parallel_generations_per_gpu, args.group_size
-    for name in ("parallel_generations_per_gpu", "num_epochs", "tokens_per_update", "n_layer",
-                 "n_embd", "rank", "validation_batch_size", "group_size"):
+    for name in (
+        "parallel_generations_per_gpu",
+        "num_epochs",
+        "tokens_per_update",
+        "n_layer",
+        "n_embd",
+        "rank",
+        "validation_batch_size",
+        "group_size",
+    ):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("validate_every", "noise_reuse", "num_perturbations", "alpha_decay_timestep",
-                 "validation_tokens"):
+    for name in (
+        "validate_every",
+        "noise_reuse",
+        "num_perturbations",
+        "alpha_decay_timestep",
+        "validation_tokens",
+    ):
         if getattr(args, name) < 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if p % 2:
@@ -727,8 +738,9 @@ def train(args: Args) -> dict:
     )
 
     def validate(params) -> float:
-        return bits_per_byte(np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64),
-                             rows.shape[0] * (rows.shape[1] - 1))
+        return bits_per_byte(
+            np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64), rows.shape[0] * (rows.shape[1] - 1)
+        )
 
     metrics, val_bpb = {}, float("nan")
     tokens_per_generation = cfg.population * cfg.tokens
@@ -763,12 +775,20 @@ def train(args: Args) -> dict:
     return metrics
 
 
+def select_platform() -> None:
+    """Use the CPU without probing for CUDA when this machine has no NVIDIA device: jax[cuda12]
+    would otherwise print a traceback on every run before falling back to the CPU itself."""
+    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(args: Args) -> None:
+    select_platform()
     try:
         train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

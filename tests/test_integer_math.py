@@ -63,8 +63,10 @@ def test_layer_norm_matches_exact_integer_reference():
             want = np.clip((x.astype(np.int64) * gain * recip) >> run.RECIP_BITS, -127, 127)
             got = np.asarray(run.layer_norm(jnp.asarray(x), jnp.asarray(gain), tables))
             if n == 48:  # the mean is a constant multiply for non-powers of two: within one step
-                alt = [np.clip((x.astype(np.int64) * gain * round(2**16 / m)) >> 16, -127, 127)
-                       for m in (mean, max(1, mean - 1), min(127, mean + 1))]
+                alt = [
+                    np.clip((x.astype(np.int64) * gain * round(2**16 / m)) >> 16, -127, 127)
+                    for m in (mean, max(1, mean - 1), min(127, mean + 1))
+                ]
                 assert any(np.array_equal(got, a) for a in alt)
             else:
                 np.testing.assert_array_equal(got, want)

@@ -25,7 +25,8 @@ def test_same_counters_give_the_same_values_jitted_or_not():
     eager = run.pair_noise(c, 3, 2)
     jitted = jax.jit(lambda b, k: run.pair_noise(c, b, k))(3, 2)
     batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, jnp.int32(3)))
-    for x, y, z in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched)):
+    leaves = (jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched))
+    for x, y, z in zip(*leaves, strict=True):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, z)
 
@@ -105,8 +106,9 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
     for _ in range(40):
         x = rng.integers(-127, 128, 64).astype(np.int8)
         want = x.astype(np.float64) @ w_real.T * 16 / (16 * math.sqrt(64))
-        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)),
-                                    sign, c.sigma_shift)).astype(np.float64)
+        got = np.asarray(
+            run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)), sign, c.sigma_shift)
+        ).astype(np.float64)
         want_int = np.clip(np.floor(want), -127, 127)
         worst = max(worst, np.max(np.abs(got - np.clip(want, -127, 127))))
         exact_share.append(np.mean(got == want_int))

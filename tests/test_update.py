@@ -52,15 +52,22 @@ def reference_update(params, noise, scores, thresholds, c):
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(num_perturbations=4),
-     dict(fast_fitness=False, use_clt=False, num_perturbations=2)],
+    [
+        dict(),
+        dict(use_clt=False),
+        dict(fast_fitness=False),
+        dict(num_perturbations=4),
+        dict(fast_fitness=False, use_clt=False, num_perturbations=2),
+    ],
 )
 def test_update_equals_slow_numpy_reference(overrides):
     args = tiny(**overrides)
     c = run.make_config(args)
     rng = np.random.default_rng(0)
-    params = {k: jnp.asarray(rng.integers(-127, 128, np.shape(v)).astype(np.int8))
-              for k, v in run.init_params(c).items()}
+    params = {
+        k: jnp.asarray(rng.integers(-127, 128, np.shape(v)).astype(np.int8))
+        for k, v in run.init_params(c).items()
+    }
     params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
     noise = run.generation_noise(c, jnp.int32(3))
     scores = np.array([1, -1, 1, 1] if c.fast_fitness else [100, -37, 5, -127])
@@ -108,18 +115,18 @@ def test_thresholds_use_the_library_normal_quantile():
     args = run.Args(alpha=0.05, num_epochs=3, parallel_generations_per_gpu=64)
     matrix_std, vector_std = run.null_std(run.make_config(args))
     z = statistics.NormalDist().inv_cdf(0.975)
-    np.testing.assert_array_equal(run.z_thresholds(args)[1], [math.ceil(z * matrix_std),
-                                                              math.ceil(z * vector_std)])
+    np.testing.assert_array_equal(
+        run.z_thresholds(args)[1], [math.ceil(z * matrix_std), math.ceil(z * vector_std)]
+    )
 
 
-@pytest.mark.parametrize(
-    "overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3)]
-)
+@pytest.mark.parametrize("overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3)])
 def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     """With fitness unrelated to the noise, a level-alpha Z-test moves ~alpha of the entries."""
     alpha = 0.2
-    args = run.Args(n_embd=16, n_layer=1, parallel_generations_per_gpu=512, num_epochs=1,
-                    alpha=alpha, **overrides)
+    args = run.Args(
+        n_embd=16, n_layer=1, parallel_generations_per_gpu=512, num_epochs=1, alpha=alpha, **overrides
+    )
     c = run.make_config(args)
     params = run.init_params(c)
     noise = run.generation_noise(c, jnp.int32(0))
@@ -127,7 +134,8 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
     _, moved = jax.jit(lambda p, n, s, t: run.es_update(p, n, s, t, c))(
-        params, noise, scores, run.z_thresholds(args)[0])
+        params, noise, scores, run.z_thresholds(args)[0]
+    )
     total = sum(int(p.size) for p in params.values())
     share = int(moved) / total
     # entries are not independent (they share the fitness), so allow 3x the binomial spread

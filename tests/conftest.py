@@ -1,0 +1,5 @@
+"""The tests target the CPU (several of them as several virtual CPU devices)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
