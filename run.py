@@ -726,7 +726,7 @@ def train(args: Args) -> dict:
     rows = jnp.asarray(validation_rows(valid_bytes, args))
     thresholds = z_thresholds(args)
 
-    params = init_params(cfg)
+    params = jax.jit(init_params, static_argnums=0)(cfg)
     states = initial_states(cfg)
     step = make_generation_step(cfg)
     evaluate = make_evaluate(cfg)
@@ -742,7 +742,7 @@ def train(args: Args) -> dict:
             np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64), rows.shape[0] * (rows.shape[1] - 1)
         )
 
-    metrics, val_bpb = {}, float("nan")
+    metrics, val_bpb, train_seconds = {}, float("nan"), 0.0
     tokens_per_generation = cfg.population * cfg.tokens
     bar = tqdm(range(args.num_epochs), dynamic_ncols=True)
     for generation in bar:
@@ -755,6 +755,8 @@ def train(args: Args) -> dict:
         seconds = time.time() - tick
         if generation == 0:
             print(f"first generation done {time.time() - start:.1f} s after start")
+        else:
+            train_seconds += seconds
         metrics = {
             "train/bits_per_byte": bits_per_byte(fitness.astype(np.int64).mean(), cfg.tokens),
             "train/moved_fraction": int(moved) / num_params,
@@ -770,6 +772,9 @@ def train(args: Args) -> dict:
             val=f"{val_bpb:.3f}",
             tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
         )
+    if args.num_epochs > 1:
+        rate = tokens_per_generation * (args.num_epochs - 1) / train_seconds
+        print(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
     print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
     metrics["params"] = params
     return metrics
