@@ -14,7 +14,9 @@ integer math, model, noise, ES step, data, loop, main.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -41,14 +43,14 @@ class Args:
     """number of generations to train (one ES update each; the upstream name)"""
 
     # data
-    data: str = "stdlib"
-    """training bytes: a file, a folder (every file in it), or 'stdlib' (Python's own sources, offline)"""
+    data: str = "minipile"
+    """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
     valid_data: str | None = None
-    """a separate validation file or folder (default: hold out the end of --data)"""
+    """a separate validation file or folder (default: minipile's validation split, else the end of --data)"""
     valid_fraction: float = 0.01
     """share of --data held out for validation when --valid_data is not given"""
     dir_path: str = str(Path(__file__).resolve().parent / "cached_files")
-    """folder for cached corpora (a folder corpus is concatenated here once)"""
+    """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
 
     # population
     parallel_generations_per_gpu: int = 1024
@@ -89,6 +91,20 @@ class Args:
     """rows the validation data is cut into (evaluated in parallel)"""
     validation_tokens: int = 0
     """bytes per validation row (0: the whole held-out part)"""
+
+    # tracking
+    track: bool = False
+    """log this run to Weights & Biases"""
+    wandb_project: str = "egg-jax"
+    """W&B project"""
+    wandb_entity: str | None = None
+    """W&B entity (team or user; default: yours)"""
+    tag: str = ""
+    """a tag for the W&B run, also appended to the run name"""
+    runs_dir: str = "runs"
+    """folder holding one output folder per run (metrics.jsonl, config.json)"""
+    run_name: str = ""
+    """name of the run and of its output folder (default: built from the configuration)"""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -588,8 +604,66 @@ def concatenate_files(files: list[Path], cache_dir: Path, name: str) -> Path:
     return out
 
 
+MINIPILE = "JeanKaddour/minipile"
+MINIPILE_SPLITS = ("train", "validation", "test")
+
+
+def write_documents(texts, path: Path) -> None:
+    """Stream texts to `path` as UTF-8 bytes, each document prefixed by byte 0. Written to a
+    temporary name and renamed, so a kill never leaves a half-written file behind."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as sink:
+        for text in texts:
+            sink.write(b"\0" + text.encode("utf-8"))
+    os.replace(tmp, path)
+
+
+def convert_splits(splits, cache_dir: Path, name: str) -> None:
+    """Convert a datasets.DatasetDict (or any {split: Dataset}) with a 'text' column to one uint8
+    file per split, batch by batch: the corpus is never held as a Python list."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for split, dataset in splits.items():
+        batches = dataset.iter(batch_size=1024)
+        write_documents(
+            (text for batch in batches for text in batch["text"]), cache_dir / f"{name}_{split}.bin"
+        )
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face hub answers (checked first, so an offline machine fails in
+    seconds instead of retrying for minutes)."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_minipile(cache_dir: str) -> dict[str, np.ndarray]:
+    """minipile's splits as memory maps, downloaded and converted on the first use only."""
+    folder = Path(cache_dir)
+    paths = {split: folder / f"minipile_{split}.bin" for split in MINIPILE_SPLITS}
+    if not all(p.exists() for p in paths.values()):
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "")
+        if not offline and not hub_reachable():
+            raise UserError(
+                "cannot reach the Hugging Face hub to download minipile; train offline on Python's "
+                "own sources with --data stdlib, or on your own text with --data PATH"
+            )
+        import datasets
+
+        print(f"downloading {MINIPILE} and converting it to bytes in {folder} (once)")
+        convert_splits(datasets.load_dataset(MINIPILE), folder, "minipile")
+    return {split: np.memmap(path, dtype=np.uint8, mode="r") for split, path in paths.items()}
+
+
 def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
-    """Bytes of a corpus: 'stdlib', a file, or a folder, as a read-only memory map."""
+    """Bytes of a corpus: 'stdlib', a file (raw bytes, or a uint8 .npy array) or a folder, as a
+    read-only memory map."""
     if spec == "stdlib":
         files = corpus_files(stdlib_folder(), ".py")
         version = f"py{sys.version_info[0]}{sys.version_info[1]}"
@@ -597,7 +671,9 @@ def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
     else:
         source = Path(spec).expanduser()
         if not source.exists():
-            raise UserError(f"data path {spec!r} does not exist: give a file, a folder or 'stdlib'")
+            raise UserError(
+                f"data path {spec!r} does not exist: give a file, a folder, 'stdlib' or 'minipile'"
+            )
         if source.is_dir():
             files = corpus_files(source)
             if not files:
@@ -607,14 +683,29 @@ def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
             path = source
     if path.stat().st_size == 0:
         raise UserError(f"data file {spec!r} is empty: give a file with some text")
+    if path.suffix == ".npy":  # e.g. upstream nano-egg's cached_files/minipile_train.npy
+        array = np.load(path, mmap_mode="r")
+        if array.dtype != np.uint8 or array.ndim != 1:
+            raise UserError(
+                f"{spec!r} holds a {array.dtype} array of shape {array.shape}, not 1-D uint8 bytes"
+            )
+        return array
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def split_corpus(args: Args) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) bytes: the end of --data is held out unless --valid_data is given."""
-    train = load_corpus(args.data, args.dir_path)
+def open_data(args: Args) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) bytes. Validation is --valid_data if given, else minipile's validation
+    split, else the last --valid_fraction of --data."""
+    valid = None
+    if args.data == "minipile":
+        splits = load_minipile(args.dir_path)
+        train, valid = splits["train"], splits["validation"]
+    else:
+        train = load_corpus(args.data, args.dir_path)
     if args.valid_data is not None:
         return train, load_corpus(args.valid_data, args.dir_path)
+    if valid is not None:
+        return train, valid
     held_out = max(2 * args.validation_batch_size, int(len(train) * args.valid_fraction))
     if held_out >= len(train) // 2:
         raise UserError(
@@ -661,6 +752,58 @@ def validation_rows(valid: np.ndarray, args: Args) -> np.ndarray:
         raise UserError(f"validation data has {len(valid)} bytes: give at least 2")
     starts = np.arange(rows) * (len(valid) // rows)
     return np.asarray(valid[starts[:, None] + np.arange(length)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines: what classical compressors achieve on the very bytes the model is validated on.
+
+
+def unigram_bigram_counts(train: np.ndarray, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
+    """Byte and byte-pair counts of the training data, read through the memory map in chunks."""
+    unigram = np.zeros(256, np.int64)
+    bigram = np.zeros(256 * 256, np.int64)
+    for start in range(0, len(train), chunk):
+        piece = np.asarray(train[start : start + chunk + 1])
+        unigram += np.bincount(piece[:chunk], minlength=256)
+        bigram += np.bincount(piece[:-1].astype(np.int64) * 256 + piece[1:], minlength=256 * 256)
+    return unigram, bigram.reshape(256, 256)
+
+
+def measure_baselines(train: np.ndarray, rows: np.ndarray) -> dict[str, float]:
+    """Bits/byte on the validation rows' targets (rows[:, 1:]) of: a unigram and a bigram model
+    estimated on train (add-one smoothing), and gzip -9 of the rows' bytes."""
+    import gzip
+
+    unigram, bigram = unigram_bigram_counts(train)
+    targets, contexts = rows[:, 1:].ravel(), rows[:, :-1].ravel()
+    log_unigram = np.log2(unigram + 1) - np.log2(unigram.sum() + 256)
+    log_bigram = np.log2(bigram + 1) - np.log2(bigram.sum(1, keepdims=True) + 256)
+    text = rows.tobytes()
+    return {
+        "unigram": float(-log_unigram[targets].mean()),
+        "bigram": float(-log_bigram[contexts, targets].mean()),
+        "gzip": 8 * len(gzip.compress(text, compresslevel=9)) / len(text),
+    }
+
+
+def cached_baselines(train: np.ndarray, rows: np.ndarray, cache_dir: str) -> dict[str, float]:
+    """measure_baselines, computed once per (training file, validation rows) and kept as JSON."""
+    source = Path(getattr(train, "filename", "") or "")
+    stamp = (str(source), source.stat().st_mtime_ns if source.exists() else 0, len(train))
+    digest = hashlib.sha256(repr(stamp).encode() + rows.tobytes()).hexdigest()[:16]
+    path = Path(cache_dir) / f"baselines-{digest}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    values = measure_baselines(train, rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(values))
+    os.replace(tmp, path)
+    return values
+
+
+def describe_baselines(values: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.2f}" for name, value in values.items())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -714,33 +857,81 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
     return -float(log2_likelihood_sum) / (num_tokens * 2**LL_FRAC)
 
 
+def default_run_name(args: Args) -> str:
+    data = Path(args.data).name or "data"
+    name = (
+        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
+        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
+    )
+    return f"{name}-{args.tag}" if args.tag else name
+
+
+class RunRecord:
+    """Where a run's metrics go: always one JSON line per logged generation in
+    <runs_dir>/<run_name>/metrics.jsonl; with --track also Weights & Biases."""
+
+    def __init__(self, args: Args, name: str, summary: dict):
+        self.folder = Path(args.runs_dir) / name
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.asdict(args)
+        (self.folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        self.lines = open(self.folder / "metrics.jsonl", "a")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=args.wandb_project,
+                entity=args.wandb_entity,
+                name=name,
+                config=config,
+                tags=[args.tag] if args.tag else None,
+            )
+            self.wandb.summary.update(summary)
+
+    def log(self, metrics: dict, generation: int) -> None:
+        self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
+        self.lines.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=generation)
+
+    def close(self) -> None:
+        self.lines.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
 def train(args: Args) -> dict:
-    """Train for --num_epochs generations; return the last metrics."""
+    """Train for --num_epochs generations; return the last metrics (and the parameters)."""
     from tqdm import tqdm
 
     check_args(args)
     start = time.time()
     cfg = make_config(args)
-    train_bytes, valid_bytes = split_corpus(args)
+    train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
-    rows = jnp.asarray(validation_rows(valid_bytes, args))
-    thresholds = z_thresholds(args)
+    valid_rows = validation_rows(valid_bytes, args)
+    baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
+    rows = jnp.asarray(valid_rows)
+    alphas, thresholds = alpha_schedule(args), z_thresholds(args)
 
     params = jax.jit(init_params, static_argnums=0)(cfg)
     states = initial_states(cfg)
     step = make_generation_step(cfg)
     evaluate = make_evaluate(cfg)
     num_params = sum(int(p.size) for p in params.values())
+    name = args.run_name or default_run_name(args)
     print(
-        f"egg-jax: {num_params:,} int8 parameters, population {cfg.population}, "
+        f"egg-jax {name}: {num_params:,} int8 parameters, population {cfg.population}, "
         f"{len(train_bytes):,} training bytes, {rows.size:,} validation bytes, "
         f"device {jax.devices()[0].platform}"
     )
+    print(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
+    record = RunRecord(args, name, {f"baseline/{k}": v for k, v in baselines.items()})
 
     def validate(params) -> float:
-        return bits_per_byte(
-            np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64), rows.shape[0] * (rows.shape[1] - 1)
-        )
+        ll = np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64)
+        return bits_per_byte(ll, rows.shape[0] * (rows.shape[1] - 1))
 
     metrics, val_bpb, train_seconds = {}, float("nan"), 0.0
     tokens_per_generation = cfg.population * cfg.tokens
@@ -751,33 +942,66 @@ def train(args: Args) -> dict:
         params, states, fitness, moved = step(
             params, states, batch, np.int32(generation), thresholds[generation]
         )
-        fitness = np.asarray(fitness)
+        fitness = np.asarray(fitness).astype(np.int64)
         seconds = time.time() - tick
         if generation == 0:
-            print(f"first generation done {time.time() - start:.1f} s after start")
+            bar.write(f"first generation done {time.time() - start:.1f} s after start")
         else:
             train_seconds += seconds
         metrics = {
-            "train/bits_per_byte": bits_per_byte(fitness.astype(np.int64).mean(), cfg.tokens),
+            "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
+            "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
+            "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
             "train/moved_fraction": int(moved) / num_params,
+            "train/alpha": float(alphas[generation]),
             "perf/tokens_per_s": tokens_per_generation / seconds,
-            "perf/generation": generation + 1,
+            "perf/seconds": seconds,
         }
         last = generation == args.num_epochs - 1
         if last or (args.validate_every and (generation + 1) % args.validate_every == 0):
             val_bpb = validate(params)
             metrics["val/bits_per_byte"] = val_bpb
+            metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
+            bar.write(
+                f"generation {generation + 1}: validation {val_bpb:.2f} bits/byte "
+                f"({describe_baselines(baselines)})"
+            )
+        record.log(metrics, generation + 1)
         bar.set_postfix(
             train=f"{metrics['train/bits_per_byte']:.3f}",
             val=f"{val_bpb:.3f}",
             tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
         )
+    record.close()
     if args.num_epochs > 1:
         rate = tokens_per_generation * (args.num_epochs - 1) / train_seconds
         print(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
     print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
     metrics["params"] = params
     return metrics
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Args from the command line. Besides tyro's --flag / --no-flag, booleans also accept
+    --flag=True|False and --flag True|False: the forms W&B sweep agents pass with ${args}."""
+    import tyro
+
+    booleans = {f.name for f in dataclasses.fields(Args) if f.type in ("bool", bool)}
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        name, equals, value = word[2:].partition("=")
+        if word.startswith("--") and name.replace("-", "_") in booleans:
+            if not equals and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                equals, value = "=", argv[i + 1]
+                i += 1
+            if equals:
+                if value.lower() not in ("true", "false"):
+                    raise UserError(f"--{name} takes True or False, got {value!r}")
+                word = f"--{name}" if value.lower() == "true" else f"--no-{name}"
+        out.append(word)
+        i += 1
+    return tyro.cli(Args, args=out)
 
 
 def select_platform() -> None:
@@ -787,16 +1011,14 @@ def select_platform() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def main(args: Args) -> None:
+def main(argv: list[str] | None = None) -> None:
     select_platform()
     try:
-        train(args)
+        train(parse_args(sys.argv[1:] if argv is None else argv))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    import tyro
-
-    main(tyro.cli(Args))
+    main()
