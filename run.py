@@ -20,10 +20,12 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import sysconfig
 import time
+import zipfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -105,6 +107,16 @@ class Args:
     """folder holding one output folder per run (metrics.jsonl, config.json)"""
     run_name: str = ""
     """name of the run and of its output folder (default: built from the configuration)"""
+
+    # checkpoints
+    save_dir: str = ""
+    """folder of this run's checkpoints (default: <runs_dir>/<run_name>/checkpoints)"""
+    save_every: int = 100
+    """generations between checkpoints (0: only at the end and when stopped by a signal)"""
+    keep_checkpoints: int = 3
+    """periodic checkpoints to keep (the best by validation is kept besides)"""
+    resume: str = ""
+    """continue from a checkpoint folder, a save_dir (its latest), or 'auto' (the latest in --save_dir)"""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,37 +502,37 @@ def z_thresholds(args: Args) -> np.ndarray:
     return np.minimum(np.ceil(z[:, None] * stds[None, :]), 2**31 - 1).astype(np.int32)
 
 
-def operand_dtype(bound: int):
-    """Smallest signed integer type holding values up to `bound` in magnitude."""
+def z_dtype(cfg: Config):
+    """Smallest integer type holding a score times a noise entry (the update's left operand)."""
+    repeats = cfg.population // (2 * cfg.distinct_pairs)
+    noise_max = int(np.abs(make_tables(cfg.rank).gauss).max()) if cfg.use_clt else 1
+    bound = noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX)
     return jnp.int8 if bound <= INT8_MAX else jnp.int16 if bound < 2**15 else i32
+
+
+def z_statistic(noise, weights, cfg: Config):
+    """Z of one parameter: sum_k w_k A_k B_k^T for a matrix (A, B) or sum_k w_k v_k for a vector,
+    with the noise replaced by its signs under --no-use_clt. Leading axis of the noise: k."""
+    prepare = (lambda n: n) if cfg.use_clt else jnp.sign
+    if isinstance(noise, tuple):
+        a, b = map(prepare, noise)
+        weighted = (a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))).astype(z_dtype(cfg))
+        return jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
+    return jnp.einsum("k...n,k->...n", prepare(noise), weights, preferred_element_type=i32)
 
 
 def es_update(params, noise, scores, thresholds, cfg: Config):
     """Move each parameter by +-1 where the fitness-weighted noise Z passes the Z-test.
 
     scores: (pairs,) shaped fitness. Pairs sharing noise are summed first, so Z is one int32
-    matrix product per parameter: Z = sum_k w_k A_k B_k^T (or the signs of A and B).
-    Returns the new parameters and the number of entries that moved.
+    matrix product per parameter. Returns the new parameters and the number of entries moved.
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     weights = scores.reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
-    tables = make_tables(cfg.rank)
-    noise_max = int(np.abs(tables.gauss).max()) if cfg.use_clt else 1
-    dtype = operand_dtype(noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX))
-
-    def prepare(n):
-        return n if cfg.use_clt else jnp.sign(n)
-
     new, moved = {}, jnp.zeros((), i32)
     for name in PARAM_NAMES:
-        if name in MATRICES:
-            a, b = map(prepare, noise[name])
-            weighted = (a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))).astype(dtype)
-            z = jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
-            threshold = thresholds[0]
-        else:
-            z = jnp.einsum("k...n,k->...n", prepare(noise[name]), weights, preferred_element_type=i32)
-            threshold = thresholds[1]
+        z = z_statistic(noise[name], weights, cfg)
+        threshold = thresholds[0] if name in MATRICES else thresholds[1]
         step = jnp.sign(z) * (jnp.abs(z) > threshold)
         new[name] = clip_int8(params[name].astype(i32) + step)
         moved = moved + jnp.sum(new[name] != params[name])
@@ -561,6 +573,57 @@ def make_evaluate(cfg: Config):
 
 def initial_states(cfg: Config):
     return jnp.zeros((cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Integer ranges. Every int32 accumulator's worst case, from the int8 ranges and the config:
+# a configuration for which one could exceed 2**31 - 1 is refused before anything runs. Fixed
+# bounds need no check: layer norm < 2**30, divide_to_int8 < 2**28, log-sum-exp s <= 2**28.
+
+INT32_MAX = 2**31 - 1
+# |log2 p(target)| at LL_FRAC: the target 254 logit steps below the top (254 * 16), plus log2 s
+# for s <= 2**28 (2**LL_FRAC per bit above EXP_FRAC, one more for the mantissa)
+LL_BOUND = 254 * 2 ** (LL_FRAC - LOGIT_FRAC) + (28 - EXP_FRAC + 1) * 2**LL_FRAC
+
+
+def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
+    """{accumulator: (largest magnitude it can reach, what would shrink it)}."""
+    tables = make_tables(cfg.rank)
+    a_max = int(np.abs(tables.gauss).max())
+    b_max = int(np.abs(tables.gauss_rank).max())
+    n_in = 4 * cfg.n_embd  # the widest matmul input (the MLP's down projection)
+    x_b = INT8_MAX * b_max * n_in  # x B
+    u_a = (x_b >> NOISE_FRAC) * a_max * cfg.rank  # ((x B) >> 4) A^T
+    score_max = 1 if cfg.fast_fitness else INT8_MAX
+    z_noise = a_max * b_max * cfg.rank if cfg.use_clt else cfg.rank
+    pairs = cfg.population // 2
+    return {
+        "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
+        "low-rank product x B": (x_b, "a smaller --n_embd"),
+        "fitness (log2-likelihood sum)": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
+        "fitness difference of a pair": (2 * LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
+        "Z of a matrix entry": (
+            pairs * score_max * z_noise,
+            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+        ),
+        "Z of a vector entry": (
+            pairs * score_max * (a_max if cfg.use_clt else 1),
+            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+        ),
+        "count of moved parameters": (num_parameters(cfg), "a smaller --n_embd or --n_layer"),
+    }
+
+
+def num_parameters(cfg: Config) -> int:
+    return sum(math.prod(param_shape(k, cfg)) * (cfg.n_layer if k in BLOCK_NAMES else 1) for k in PARAM_NAMES)
+
+
+def check_ranges(cfg: Config) -> None:
+    for name, (bound, flag) in accumulator_bounds(cfg).items():
+        if bound > INT32_MAX:
+            raise UserError(
+                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {flag}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -744,12 +807,17 @@ def batch_at(train: np.ndarray, stream: Stream, cfg: Config, generation: int) ->
 
 def validation_rows(valid: np.ndarray, args: Args) -> np.ndarray:
     """(rows, L) uint8: the validation bytes cut into --validation_batch_size rows."""
+    if len(valid) < 2:
+        raise UserError(f"validation data has {len(valid)} bytes: give at least 2")
     rows = min(args.validation_batch_size, len(valid) // 2)
     length = len(valid) // rows
     if args.validation_tokens:
         length = min(length, args.validation_tokens + 1)
-    if rows < 1 or length < 2:
-        raise UserError(f"validation data has {len(valid)} bytes: give at least 2")
+    if LL_BOUND * (length - 1) > INT32_MAX:
+        raise UserError(
+            f"validation rows of {length} bytes could overflow the int32 log-likelihood sum: "
+            f"use --validation_tokens {INT32_MAX // LL_BOUND} or less, or a larger --validation_batch_size"
+        )
     starts = np.arange(rows) * (len(valid) // rows)
     return np.asarray(valid[starts[:, None] + np.arange(length)])
 
@@ -807,6 +875,140 @@ def describe_baselines(values: dict[str, float]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# Checkpoints. One folder per checkpoint, readable without run.py:
+#   params.npz   the int8 parameters, one array per name in PARAM_NAMES (numpy's own format)
+#   states.npz   the carried hidden states (population, n_layer, n_embd) int8
+#   meta.json    generation, validation score, format version and every flag of the run
+# A checkpoint is written into a hidden temporary folder and renamed into place, and the pointer
+# files LATEST and BEST are replaced by rename too: a kill at any moment leaves the previous
+# checkpoints intact and never a half-written one under a real name.
+
+CHECKPOINT_FORMAT = 1
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint whose files are missing or corrupt."""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
+    """Write a checkpoint folder atomically (nothing happens if it already exists)."""
+    if folder.exists():
+        return
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, arrays in (("params.npz", params), ("states.npz", {"states": states})):
+        with open(tmp / name, "wb") as f:
+            np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
+            f.flush()
+            os.fsync(f.fileno())
+    write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    os.replace(tmp, folder)
+
+
+def load_checkpoint(folder: Path, cfg: Config):
+    """(params, states or None, meta) of a checkpoint folder, checked against this run's model.
+    States come back as None when the population layout differs (they cannot carry over)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        with np.load(folder / "params.npz") as f:
+            params = {k: f[k] for k in f.files}
+        with np.load(folder / "states.npz") as f:
+            states = f["states"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise UnreadableCheckpoint(
+            f"checkpoint {folder} is unreadable ({type(error).__name__}): resume from another one"
+        ) from None
+    want = {k: (cfg.n_layer,) * (k in BLOCK_NAMES) + param_shape(k, cfg) for k in PARAM_NAMES}
+    got = {k: v.shape for k, v in params.items()}
+    if got != want or any(v.dtype != np.int8 for v in params.values()):
+        model = meta.get("args", {})
+        raise UserError(
+            f"checkpoint {folder} holds a {model.get('n_embd')}D-{model.get('n_layer')}L model; this run is "
+            f"{cfg.n_embd}D-{cfg.n_layer}L: pass the same --n_embd and --n_layer, or another checkpoint"
+        )
+    if states.shape != (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
+        states = None
+    return params, states, meta
+
+
+def checkpoints_in(save_dir: Path) -> list[Path]:
+    """Periodic checkpoint folders, oldest first."""
+    return sorted(p for p in save_dir.glob("gen-*") if p.is_dir())
+
+
+def find_resume(resume: str, save_dir: Path) -> list[Path]:
+    """Checkpoints to try, best first: --resume PATH (a checkpoint, or a save_dir's latest) or
+    auto (the latest in save_dir, then older ones should it be unreadable)."""
+    if resume == "auto":
+        latest = save_dir / "LATEST"
+        named = [save_dir / latest.read_text().strip()] if latest.exists() else []
+        return named + checkpoints_in(save_dir)[::-1]
+    path = Path(resume).expanduser()
+    if (path / "LATEST").exists():
+        path = path / (path / "LATEST").read_text().strip()
+    if not (path / "meta.json").exists():
+        raise UserError(f"--resume {resume}: no checkpoint there (a folder with meta.json, or a save_dir)")
+    return [path]
+
+
+class Checkpointer:
+    """Saves every --save_every generations, keeps the last --keep_checkpoints plus the best by
+    validation bits/byte, and points LATEST and BEST at them."""
+
+    def __init__(self, save_dir: Path, args: Args):
+        self.dir, self.args = save_dir, args
+        self.best = math.inf
+
+    def check_writable(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.dir / ".write-test", b"")
+            (self.dir / ".write-test").unlink()
+        except OSError as error:
+            raise UserError(f"cannot write checkpoints to --save_dir {self.dir}: {error.strerror}") from None
+
+    def meta(self, generation: int, val_bpb: float) -> dict:
+        args = dataclasses.asdict(self.args)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "generation": generation,
+            "val_bits_per_byte": val_bpb,
+            "best_val_bits_per_byte": self.best,
+            "args": args,
+        }
+
+    def save(self, generation: int, params, states, val_bpb: float) -> Path:
+        folder = self.dir / f"gen-{generation:08d}"
+        save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
+        write_atomic(self.dir / "LATEST", folder.name.encode())
+        for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
+            shutil.rmtree(old)
+        return folder
+
+    def offer_best(self, generation: int, params, states, val_bpb: float) -> None:
+        """Keep this model if its validation score is the best so far."""
+        if not val_bpb < self.best:
+            return
+        self.best = val_bpb
+        folder = self.dir / f"best-{val_bpb:.4f}-gen-{generation:08d}"
+        save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
+        write_atomic(self.dir / "BEST", folder.name.encode())
+        for old in self.dir.glob("best-*"):
+            if old != folder and old.is_dir():
+                shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------------------------
 # Loop
 
 
@@ -851,6 +1053,9 @@ def check_args(args: Args) -> None:
         raise UserError(f"--rank must be in [1, 64], got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
+    if args.save_every < 0 or args.keep_checkpoints < 1:
+        raise UserError("--save_every must be >= 0 and --keep_checkpoints >= 1")
+    check_ranges(make_config(args))
 
 
 def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
@@ -870,12 +1075,18 @@ class RunRecord:
     """Where a run's metrics go: always one JSON line per logged generation in
     <runs_dir>/<run_name>/metrics.jsonl; with --track also Weights & Biases."""
 
-    def __init__(self, args: Args, name: str, summary: dict):
+    def __init__(self, args: Args, name: str, summary: dict, generation: int):
         self.folder = Path(args.runs_dir) / name
         self.folder.mkdir(parents=True, exist_ok=True)
         config = dataclasses.asdict(args)
-        (self.folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        self.lines = open(self.folder / "metrics.jsonl", "a")
+        write_atomic(self.folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
+        path = self.folder / "metrics.jsonl"
+        if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
+            kept = [x for x in path.read_text().splitlines(True) if json.loads(x)["generation"] <= generation]
+            write_atomic(path, "".join(kept).encode())
+        elif path.exists():  # a new run under an old name: keep the old record aside
+            path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
+        self.lines = open(path, "a")
         self.wandb = None
         if args.track:
             import wandb
@@ -901,13 +1112,66 @@ class RunRecord:
             self.wandb.finish()
 
 
+class StopSignal:
+    """Turns SIGTERM / SIGINT into a request to save and stop after the current generation."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def resume_from(args: Args, save_dir: Path, cfg: Config):
+    """(params, states, generation, best score, meta) to continue from, or None for a fresh run."""
+    if not args.resume:
+        if checkpoints_in(save_dir) or (save_dir / "LATEST").exists():
+            raise UserError(
+                f"{save_dir} already holds checkpoints: continue them with --resume auto, "
+                "or start another run with --run_name or --save_dir"
+            )
+        return None
+    candidates = find_resume(args.resume, save_dir)
+    for i, folder in enumerate(candidates):
+        try:
+            params, states, meta = load_checkpoint(folder, cfg)
+        except UnreadableCheckpoint as error:
+            if args.resume != "auto" or i == len(candidates) - 1:
+                raise
+            print(f"warning: {error}; trying an older checkpoint")
+            continue
+        if states is None:
+            print(
+                f"warning: {folder} was trained with another population layout: hidden states restart at zero"
+            )
+            states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
+        return params, states, meta["generation"], meta.get("best_val_bits_per_byte", math.inf), folder
+    print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
+    return None
+
+
 def train(args: Args) -> dict:
-    """Train for --num_epochs generations; return the last metrics (and the parameters)."""
+    """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
     from tqdm import tqdm
 
     check_args(args)
     start = time.time()
     cfg = make_config(args)
+    name = args.run_name or default_run_name(args)
+    save_dir = Path(args.save_dir or Path(args.runs_dir) / name / "checkpoints")
+    checkpointer = Checkpointer(save_dir, args)
+    checkpointer.check_writable()
+    resumed = resume_from(args, save_dir, cfg)
     train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
     valid_rows = validation_rows(valid_bytes, args)
@@ -915,68 +1179,87 @@ def train(args: Args) -> dict:
     rows = jnp.asarray(valid_rows)
     alphas, thresholds = alpha_schedule(args), z_thresholds(args)
 
-    params = jax.jit(init_params, static_argnums=0)(cfg)
-    states = initial_states(cfg)
+    if resumed is None:
+        params, states, first = jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), 0
+    else:
+        params, states, first, checkpointer.best, folder = resumed
+        params, states = jax.tree.map(jnp.asarray, (params, states))
+        print(f"resuming from {folder} at generation {first}")
+        if first >= args.num_epochs:
+            print(
+                f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}"
+            )
+            return {"params": params}
     step = make_generation_step(cfg)
     evaluate = make_evaluate(cfg)
-    num_params = sum(int(p.size) for p in params.values())
-    name = args.run_name or default_run_name(args)
+    num_params = num_parameters(cfg)
     print(
         f"egg-jax {name}: {num_params:,} int8 parameters, population {cfg.population}, "
         f"{len(train_bytes):,} training bytes, {rows.size:,} validation bytes, "
         f"device {jax.devices()[0].platform}"
     )
     print(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
-    record = RunRecord(args, name, {f"baseline/{k}": v for k, v in baselines.items()})
+    record = RunRecord(args, name, {f"baseline/{k}": v for k, v in baselines.items()}, first)
 
     def validate(params) -> float:
         ll = np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64)
         return bits_per_byte(ll, rows.shape[0] * (rows.shape[1] - 1))
 
-    metrics, val_bpb, train_seconds = {}, float("nan"), 0.0
+    metrics, val_bpb, train_seconds, timed = {}, float("nan"), 0.0, 0
     tokens_per_generation = cfg.population * cfg.tokens
-    bar = tqdm(range(args.num_epochs), dynamic_ncols=True)
-    for generation in bar:
-        tick = time.time()
-        batch = batch_at(train_bytes, stream, cfg, generation)
-        params, states, fitness, moved = step(
-            params, states, batch, np.int32(generation), thresholds[generation]
-        )
-        fitness = np.asarray(fitness).astype(np.int64)
-        seconds = time.time() - tick
-        if generation == 0:
-            bar.write(f"first generation done {time.time() - start:.1f} s after start")
-        else:
-            train_seconds += seconds
-        metrics = {
-            "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
-            "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
-            "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
-            "train/moved_fraction": int(moved) / num_params,
-            "train/alpha": float(alphas[generation]),
-            "perf/tokens_per_s": tokens_per_generation / seconds,
-            "perf/seconds": seconds,
-        }
-        last = generation == args.num_epochs - 1
-        if last or (args.validate_every and (generation + 1) % args.validate_every == 0):
-            val_bpb = validate(params)
-            metrics["val/bits_per_byte"] = val_bpb
-            metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
-            bar.write(
-                f"generation {generation + 1}: validation {val_bpb:.2f} bits/byte "
-                f"({describe_baselines(baselines)})"
+    bar = tqdm(range(first, args.num_epochs), initial=first, total=args.num_epochs, dynamic_ncols=True)
+    with StopSignal() as stop:
+        for generation in bar:
+            tick = time.time()
+            batch = batch_at(train_bytes, stream, cfg, generation)
+            params, states, fitness, moved = step(
+                params, states, batch, np.int32(generation), thresholds[generation]
             )
-        record.log(metrics, generation + 1)
-        bar.set_postfix(
-            train=f"{metrics['train/bits_per_byte']:.3f}",
-            val=f"{val_bpb:.3f}",
-            tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
-        )
+            fitness = np.asarray(fitness).astype(np.int64)
+            seconds = time.time() - tick
+            if generation == first:
+                bar.write(f"first generation done {time.time() - start:.1f} s after start")
+            else:
+                train_seconds, timed = train_seconds + seconds, timed + 1
+            done = generation + 1
+            metrics = {
+                "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
+                "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
+                "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
+                "train/moved_fraction": int(moved) / num_params,
+                "train/alpha": float(alphas[generation]),
+                "perf/tokens_per_s": tokens_per_generation / seconds,
+                "perf/seconds": seconds,
+            }
+            last = done == args.num_epochs
+            if last or (args.validate_every and done % args.validate_every == 0):
+                val_bpb = validate(params)
+                metrics["val/bits_per_byte"] = val_bpb
+                metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
+                bar.write(
+                    f"generation {done}: validation {val_bpb:.2f} bits/byte ({describe_baselines(baselines)})"
+                )
+                checkpointer.offer_best(done, params, states, val_bpb)
+            record.log(metrics, done)
+            if last or stop.received or (args.save_every and done % args.save_every == 0):
+                folder = checkpointer.save(done, params, states, val_bpb)
+                if stop.received:
+                    bar.write(f"stopped by signal {stop.received} after generation {done}: saved {folder}")
+                    break
+            bar.set_postfix(
+                train=f"{metrics['train/bits_per_byte']:.3f}",
+                val=f"{val_bpb:.3f}",
+                tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
+            )
+    bar.close()
     record.close()
-    if args.num_epochs > 1:
-        rate = tokens_per_generation * (args.num_epochs - 1) / train_seconds
+    if timed:
+        rate = tokens_per_generation * timed / train_seconds
         print(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
-    print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
+    if stop.received == signal.SIGINT:
+        raise SystemExit(130)
+    if not stop.received:
+        print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
     metrics["params"] = params
     return metrics
 
