@@ -1,0 +1,287 @@
+"""Checkpoints, exact resume after SIGKILL, SIGTERM, bad input and int32 ranges."""
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import run
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = str(ROOT / "cached_files")
+TINY = [
+    "--data",
+    "stdlib",
+    "--dir_path",
+    CACHE,
+    "--n_embd",
+    "8",
+    "--n_layer",
+    "2",
+    "--parallel_generations_per_gpu",
+    "16",
+    "--group_size",
+    "4",
+    "--tokens_per_update",
+    "8",
+    "--validation_batch_size",
+    "8",
+    "--validation_tokens",
+    "16",
+    "--alpha",
+    "0.2",
+]
+
+
+def start(*flags, runs):
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *TINY, "--runs_dir", str(runs), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def params_hash(folder: Path) -> str:
+    with np.load(folder / "params.npz") as f:
+        assert all(f[k].dtype == np.int8 for k in f.files)
+        return hashlib.sha256(b"".join(f[k].tobytes() for k in sorted(f.files))).hexdigest()
+
+
+def checkpoint_dir(runs: Path) -> Path:
+    (folder,) = runs.iterdir()
+    return folder / "checkpoints"
+
+
+def wait_for(predicate, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    flags = ["--num_epochs", "14", "--save_every", "3", "--validate_every", "7"]
+    code, _, err = finish(start(*flags, runs=tmp_path / "a"))
+    assert code == 0, err[-2000:]
+    full = checkpoint_dir(tmp_path / "a") / "gen-00000014"
+
+    killed = start(*flags, runs=tmp_path / "b")
+    latest = tmp_path / "b"
+    wait_for(lambda: any(latest.glob("*/checkpoints/gen-00000006")))
+    killed.send_signal(signal.SIGKILL)
+    finish(killed)
+    assert killed.returncode == -signal.SIGKILL
+    saved = sorted(p.name for p in checkpoint_dir(tmp_path / "b").glob("gen-*"))
+    assert saved[-1] < "gen-00000014" and not list(checkpoint_dir(tmp_path / "b").glob(".*tmp*"))
+
+    code, out, err = finish(start(*flags, "--resume", "auto", runs=tmp_path / "b"))
+    assert code == 0, err[-2000:]
+    assert "resuming from" in out
+    resumed = checkpoint_dir(tmp_path / "b") / "gen-00000014"
+    print("uninterrupted", params_hash(full), "resumed", params_hash(resumed), "killed after", saved[-1])
+    assert params_hash(resumed) == params_hash(full)
+    with np.load(resumed / "states.npz") as a, np.load(full / "states.npz") as b:
+        np.testing.assert_array_equal(a["states"], b["states"])
+    lines = [
+        json.loads(x) for x in (tmp_path / "b").glob("*/metrics.jsonl").__next__().read_text().splitlines()
+    ]
+    assert [x["generation"] for x in lines] == list(range(1, 15))  # no duplicated generations
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = start("--num_epochs", "100000", "--save_every", "0", runs=tmp_path)
+    wait_for(
+        lambda: (
+            any(tmp_path.glob("*/metrics.jsonl"))
+            and len(next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()) >= 3
+        )
+    )
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 0, err[-2000:]
+    assert "stopped by signal" in out
+    logged = len(next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines())
+    folder = checkpoint_dir(tmp_path)
+    latest = (folder / "LATEST").read_text()
+    meta = json.loads((folder / latest / "meta.json").read_text())
+    assert meta["generation"] == logged  # every generation run is in the checkpoint: no work lost
+    assert meta["args"]["n_embd"] == 8 and meta["format"] == run.CHECKPOINT_FORMAT
+
+
+def tiny_cfg():
+    return run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
+
+
+def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
+    cfg = tiny_cfg()
+    params, states = run.init_params(cfg), run.initial_states(cfg)
+    run.save_checkpoint(tmp_path / "c", params, states, {"generation": 5})
+    with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
+        assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
+        np.testing.assert_array_equal(f["emb"], params["emb"])
+    assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
+    loaded, loaded_states, _ = run.load_checkpoint(tmp_path / "c", cfg)
+    np.testing.assert_array_equal(loaded_states, states)
+    other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
+    assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states
+
+
+def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):
+    cfg = tiny_cfg()
+    params, states = run.init_params(cfg), run.initial_states(cfg)
+    saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
+    saver.save(1, params, states, 9.0)
+    before = params_hash(tmp_path / "gen-00000001")
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt  # as if the process died while writing
+
+    monkeypatch.setattr(np, "savez", dies)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(2, params, states, 9.0)
+    assert not (tmp_path / "gen-00000002").exists()
+    assert (tmp_path / "LATEST").read_text() == "gen-00000001"
+    assert params_hash(tmp_path / "gen-00000001") == before
+
+
+def test_keeps_the_last_k_and_the_best(tmp_path):
+    cfg = tiny_cfg()
+    params, states = run.init_params(cfg), run.initial_states(cfg)
+    saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
+    for generation, score in ((1, 5.0), (2, 4.0), (3, 4.5), (4, 4.2)):
+        saver.save(generation, params, states, score)
+        saver.offer_best(generation, params, states, score)
+    assert sorted(p.name for p in tmp_path.glob("gen-*")) == ["gen-00000003", "gen-00000004"]
+    assert [p.name for p in tmp_path.glob("best-*")] == ["best-4.0000-gen-00000002"]
+    assert (tmp_path / "BEST").read_text() == "best-4.0000-gen-00000002"
+    assert (tmp_path / "LATEST").read_text() == "gen-00000004"
+
+
+def cli(*flags, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *flags], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def one_line_error(result, message):
+    assert result.returncode == 2, result.stderr[-1000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_checkpoint_bad_input(tmp_path):
+    code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", runs=tmp_path))
+    assert code == 0, err[-2000:]
+    folder = checkpoint_dir(tmp_path)
+    base = [*TINY, "--runs_dir", str(tmp_path)]
+    # a fresh run would mix with (and could overwrite) the existing checkpoints
+    one_line_error(cli(*base, "--num_epochs", "6"), "--resume auto")
+    # another model shape
+    one_line_error(cli(*base, "--n_embd", "16", "--resume", str(folder)), "8D-2L model; this run is 16D-2L")
+    # a corrupt checkpoint: named explicitly it is an error; with auto an older one is used
+    latest = folder / (folder / "LATEST").read_text()
+    (latest / "params.npz").write_bytes(b"not a zip file")
+    one_line_error(cli(*base, "--num_epochs", "6", "--resume", str(latest)), "unreadable")
+    result = cli(*base, "--num_epochs", "6", "--resume", "auto")
+    assert result.returncode == 0 and "trying an older checkpoint" in result.stdout, result.stderr[-1000:]
+    # no checkpoint at an explicit path
+    one_line_error(cli(*base, "--resume", str(tmp_path / "nothing")), "no checkpoint there")
+    # an unwritable save_dir (a path below a regular file)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    one_line_error(cli(*base, "--save_dir", str(blocker / "ckpt")), "cannot write checkpoints")
+    assert (blocker.read_text(), (latest / "params.npz").read_bytes()) == ("x", b"not a zip file")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallel_generations_per_gpu", "0"], "must be positive"),
+        (["--tokens_per_update", "-3"], "must be positive"),
+        (["--n_layer", "0"], "must be positive"),
+        (["--rank", "65"], "--rank"),
+        (["--rank", "0"], "must be positive"),
+        (["--sigma_shift", "-1"], "--sigma_shift"),
+        (["--alpha", "-1"], "--alpha"),
+        (["--group_size", "6"], "divide the population"),
+        (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
+        (["--no-fast_fitness", "--parallel_generations_per_gpu", "32768"], "--fast_fitness"),
+        (["--tokens_per_update", "400000"], "--tokens_per_update"),
+        (["--save_every", "-1"], "--save_every"),
+    ],
+)
+def test_bad_config_is_refused_before_anything_runs(flags, message):
+    one_line_error(
+        cli("--n_embd", "8", "--n_layer", "1", "--parallel_generations_per_gpu", "64", *flags), message
+    )
+
+
+def largest(cfg_args, key, name):
+    """The largest value of Args.key (a power of two times 2) whose config passes the checks."""
+    value = 2
+    while True:
+        try:
+            run.check_ranges(run.make_config(run.Args(**{**cfg_args, key: value * 2})))
+        except run.UserError as error:
+            assert name in str(error)
+            return value
+        value *= 2
+
+
+def test_matmul_at_the_largest_width_does_not_wrap():
+    n_embd = 4096  # 4n = 16384 inputs: well inside the bound, worst-case values everywhere
+    bound = run.accumulator_bounds(run.make_config(run.Args(n_embd=n_embd)))
+    assert bound["matmul accumulator x W^T + sigma x E^T"][0] < run.INT32_MAX
+    tables = run.make_tables(1)
+    n_in = 4 * n_embd
+    for sign in (1, -1):
+        x = jnp.full(n_in, 127, jnp.int8)
+        w = jnp.full((2, n_in), 127 * sign, jnp.int8)
+        a = jnp.full((2, 1), int(np.abs(tables.gauss).max()) * sign, jnp.int8)
+        b = jnp.full((n_in, 1), int(np.abs(tables.gauss).max()), jnp.int8)
+        out = np.asarray(run.matmul(x, w, (a, b), 1, 0))
+        assert np.all(out == 127 * sign)  # a wrapped accumulator would flip the sign
+
+
+def test_fitness_sum_at_the_largest_tokens_per_update_does_not_wrap():
+    tables = run.make_tables(1)
+    worst = np.full(256, 127, np.int8)
+    worst[0] = -127
+    ll = int(run.log2_likelihood(jnp.asarray(worst), 0, tables))
+    assert -run.LL_BOUND <= ll < -254 * 16
+    tokens = largest({}, "tokens_per_update", "fitness")
+    total = jnp.sum(jnp.full(tokens, ll, jnp.int32))
+    assert int(total) == ll * tokens and 2 * run.LL_BOUND * tokens <= run.INT32_MAX
+
+
+@pytest.mark.parametrize("use_clt, fast", [(True, True), (False, True), (True, False)])
+def test_z_at_the_largest_population_does_not_wrap(use_clt, fast):
+    base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4}
+    population = largest(base, "parallel_generations_per_gpu", "Z of")
+    # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
+    # weights, so Z reaches the same worst case as population / 2 distinct pairs would
+    cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, num_perturbations=2048, **base))
+    tables = run.make_tables(1)
+    a = jnp.full((1024, 1, 1), int(np.abs(tables.gauss).max()), jnp.int8)
+    b = jnp.full((1024, 1, 1), int(np.abs(tables.gauss_rank).max()), jnp.int8)
+    weights = jnp.full(1024, (population // 2048) * (1 if fast else 127), jnp.int32)
+    z = int(run.z_statistic((a, b), weights, cfg)[0, 0])
+    bound = run.accumulator_bounds(cfg)["Z of a matrix entry"][0]
+    assert z == bound and 2 * bound > run.INT32_MAX  # one doubling more would be refused
+    v = int(run.z_statistic(a[:, :, 0], weights, cfg)[0])
+    assert v == run.accumulator_bounds(cfg)["Z of a vector entry"][0]
