@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -27,7 +28,7 @@ import sysconfig
 import time
 import zipfile
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -108,6 +109,14 @@ class Args:
     run_name: str = ""
     """name of the run and of its output folder (default: built from the configuration)"""
 
+    # several hosts (jax.distributed; detected automatically under SLURM)
+    coord_addr: str = ""
+    """address:port of process 0's coordinator, for a multi-host run started by hand"""
+    num_procs: int = 1
+    """number of processes of a multi-host run started by hand"""
+    proc_id: int = 0
+    """index of this process in a multi-host run started by hand"""
+
     # checkpoints
     save_dir: str = ""
     """folder of this run's checkpoints (default: <runs_dir>/<run_name>/checkpoints)"""
@@ -156,10 +165,11 @@ class Config(NamedTuple):
     fast_fitness: bool
     noise_reuse: int
     distinct_pairs: int  # pairs with their own noise; members p and p + 2 * distinct_pairs share it
+    devices: int  # devices the population is spread over, parallel_generations_per_gpu each
 
 
-def make_config(args: Args) -> Config:
-    population = args.parallel_generations_per_gpu
+def make_config(args: Args, devices: int = 1) -> Config:
+    population = args.parallel_generations_per_gpu * devices
     distinct = args.num_perturbations or population
     return Config(
         n_layer=args.n_layer,
@@ -174,6 +184,7 @@ def make_config(args: Args) -> Config:
         fast_fitness=args.fast_fitness,
         noise_reuse=args.noise_reuse,
         distinct_pairs=distinct // 2,
+        devices=devices,
     )
 
 
@@ -430,11 +441,11 @@ def generation_noise(cfg: Config, generation):
 
 
 def population_fitness(params, noise, states, inputs, targets, cfg: Config):
-    """Fitness (log2-likelihood sums at LL_FRAC) of every member and their new states.
-    states: (P, L, n) int8; inputs, targets: (P, T) uint8."""
+    """Fitness (log2-likelihood sums at LL_FRAC) of M members and their new states.
+    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D."""
     tables = make_tables(cfg.rank)
-    repeats = cfg.population // (2 * cfg.distinct_pairs)
-    layout = (repeats, cfg.distinct_pairs, 2)
+    members, distinct = states.shape[0], jax.tree.leaves(noise)[0].shape[0]
+    layout = (members // (2 * distinct), distinct, 2)
 
     def member(nz, sign, h, x, y):
         return sequence_log2_likelihood(params, nz, sign, h, x, y, cfg, tables)
@@ -450,22 +461,26 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
         inputs.reshape(layout + inputs.shape[1:]),
         targets.reshape(layout + targets.shape[1:]),
     )
-    return fitness.reshape(-1), states.reshape((cfg.population,) + states.shape[3:])
+    return fitness.reshape(-1), states.reshape((members,) + states.shape[3:])
 
 
-def shape_fitness(fitness, cfg: Config):
-    """One integer score per pair from its two members' fitness: the sign of the difference
-    (--fast_fitness), or the difference / mean|difference| at FIT_ONE, clipped to int8."""
+def shape_fitness(fitness, cfg: Config, axis: str | None = None):
+    """One int8 score per pair from its two members' fitness: the sign of the difference
+    (--fast_fitness), or the difference / mean|difference| at FIT_ONE, clipped to int8. With
+    `axis`, the pairs are spread over that mesh axis and the mean is over all of them."""
     diff = fitness[0::2] - fitness[1::2]
     if cfg.fast_fitness:
-        return jnp.sign(diff)
+        return jnp.sign(diff).astype(jnp.int8)
     size = jnp.abs(diff)
-    pairs = diff.shape[0]
+    largest, total = jnp.max(size), lambda x: jnp.sum(x)
+    if axis is not None:
+        largest, total = jax.lax.pmax(largest, axis), lambda x: jax.lax.psum(jnp.sum(x), axis)
+    pairs = diff.shape[0] * (cfg.devices if axis is not None else 1)
     # shift the magnitudes so that their sum fits in int32, then take the floor mean
-    shift = jnp.maximum(0, (32 - jax.lax.clz(jnp.max(size))) + pairs.bit_length() - 31)
-    mean = jnp.maximum((jnp.sum(size >> shift) // pairs) << shift, 1)
+    shift = jnp.maximum(0, (32 - jax.lax.clz(largest)) + pairs.bit_length() - 31)
+    mean = jnp.maximum((total(size >> shift) // pairs) << shift, 1)
     scaled = (jnp.minimum(size, 2**23) * FIT_ONE) // mean  # < 2**27
-    return jnp.sign(diff) * jnp.minimum(scaled, INT8_MAX)
+    return (jnp.sign(diff) * jnp.minimum(scaled, INT8_MAX)).astype(jnp.int8)
 
 
 def null_std(cfg: Config) -> tuple[float, float]:
@@ -494,10 +509,10 @@ def alpha_schedule(args: Args) -> np.ndarray:
     return 1.0 / ((2.0**args.alpha - 1.0) * progress + 1.0)
 
 
-def z_thresholds(args: Args) -> np.ndarray:
+def z_thresholds(args: Args, cfg: Config) -> np.ndarray:
     """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation."""
     normal = statistics.NormalDist()
-    stds = np.array(null_std(make_config(args)))
+    stds = np.array(null_std(cfg))
     z = np.array([normal.inv_cdf(1 - a / 2) for a in alpha_schedule(args)])
     return np.minimum(np.ceil(z[:, None] * stds[None, :]), 2**31 - 1).astype(np.int32)
 
@@ -528,7 +543,7 @@ def es_update(params, noise, scores, thresholds, cfg: Config):
     matrix product per parameter. Returns the new parameters and the number of entries moved.
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
-    weights = scores.reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
+    weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
     new, moved = {}, jnp.zeros((), i32)
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
@@ -539,26 +554,54 @@ def es_update(params, noise, scores, thresholds, cfg: Config):
     return new, moved
 
 
-def make_generation_step(cfg: Config):
+POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
+
+
+def population_mesh(devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh over every device of every process (or the given ones)."""
+    return jax.sharding.Mesh(np.array(devices or jax.devices()), (POP,))
+
+
+def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
     """One generation as one jitted call: population fitness, then the update.
 
     step(params, states, batch, generation, thresholds) -> (params, states, fitness, moved)
-    batch: (P / group_size, T + 1) uint8, one data sequence per group of members.
+    batch: (P / group_size, T + 1) uint8, one data sequence per group of members, replicated.
+    Each device evaluates its parallel_generations_per_gpu members (states and fitness are
+    sharded); the one collective gathers every pair's int8 score (half a byte per member); then
+    every device rebuilds all the noise from its counters and applies the identical update to
+    its replicated parameters.
     """
+    spec = jax.sharding.PartitionSpec
+    members = cfg.population // cfg.devices  # per device
+    distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
 
-    def step(params, states, batch, generation, thresholds):
-        noise = generation_noise(cfg, generation)
-        tokens = jnp.repeat(batch, cfg.group_size, axis=0)  # (P, T + 1)
-        fitness, states = population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg)
-        params, moved = es_update(params, noise, shape_fitness(fitness, cfg), thresholds, cfg)
+    def local_step(params, states, batch, generation, thresholds):
+        first = jax.lax.axis_index(POP) * members
+        noise = generation_noise(cfg, generation)  # every pair's: the update needs them all
+        offset = (first // 2) % cfg.distinct_pairs
+        local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct), noise)
+        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
+        fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], cfg)
+        scores = jax.lax.all_gather(shape_fitness(fitness, cfg, POP), POP, tiled=True)
+        params, moved = es_update(params, noise, scores, thresholds, cfg)
         return params, states, fitness, moved
 
+    step = jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(spec(), spec(POP), spec(), spec(), spec()),
+        out_specs=(spec(), spec(POP), spec(POP), spec()),
+        check_vma=False,
+    )
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_evaluate(cfg: Config):
-    """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,)."""
+def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
+    """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,),
+    the rows spread over the devices (R a multiple of their number), the result replicated."""
     tables = make_tables(cfg.rank)
+    spec = jax.sharding.PartitionSpec
 
     def evaluate(params, rows):
         h = jnp.zeros((rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
@@ -568,7 +611,8 @@ def make_evaluate(cfg: Config):
 
         return jax.vmap(row)(h, rows[:, :-1], rows[:, 1:])
 
-    return jax.jit(evaluate)
+    shard = partial(jax.sharding.NamedSharding, mesh)
+    return jax.jit(evaluate, in_shardings=(shard(spec()), shard(spec(POP))), out_shardings=shard(spec()))
 
 
 def initial_states(cfg: Config):
@@ -965,8 +1009,8 @@ class Checkpointer:
     """Saves every --save_every generations, keeps the last --keep_checkpoints plus the best by
     validation bits/byte, and points LATEST and BEST at them."""
 
-    def __init__(self, save_dir: Path, args: Args):
-        self.dir, self.args = save_dir, args
+    def __init__(self, save_dir: Path, args: Args, writer: bool = True):
+        self.dir, self.args, self.writer = save_dir, args, writer  # only the writer touches the disk
         self.best = math.inf
 
     def check_writable(self) -> None:
@@ -989,6 +1033,8 @@ class Checkpointer:
 
     def save(self, generation: int, params, states, val_bpb: float) -> Path:
         folder = self.dir / f"gen-{generation:08d}"
+        if not self.writer:
+            return folder
         save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
         write_atomic(self.dir / "LATEST", folder.name.encode())
         for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
@@ -1001,6 +1047,8 @@ class Checkpointer:
             return
         self.best = val_bpb
         folder = self.dir / f"best-{val_bpb:.4f}-gen-{generation:08d}"
+        if not self.writer:
+            return
         save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
         write_atomic(self.dir / "BEST", folder.name.encode())
         for old in self.dir.glob("best-*"):
@@ -1160,65 +1208,159 @@ def resume_from(args: Args, save_dir: Path, cfg: Config):
     return None
 
 
+def init_distributed(args: Args) -> None:
+    """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
+    jax.distributed itself (SLURM with several tasks, and the other clusters it knows)."""
+    by_hand = bool(args.coord_addr) or args.num_procs > 1
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    if not (by_hand or slurm):
+        return
+    if jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if by_hand:
+        jax.distributed.initialize(args.coord_addr, args.num_procs, args.proc_id)
+    else:
+        jax.distributed.initialize()
+
+
+def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
+    """A host array, the same on every process, as a global array with the given sharding."""
+    x = np.asarray(x)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host (a collective if it spans processes)."""
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def local_copy(x: jax.Array) -> np.ndarray:
+    """This process's part of an array sharded over the population (no communication)."""
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards])
+
+
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8}
+
+
+def collective_traffic(hlo: str) -> list[tuple[str, int]]:
+    """(operation, bytes each device receives) of every collective in a compiled program's HLO."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(rf"= (\(?[^=]*?\)?) ({'|'.join(COLLECTIVE_OPS)})(-start)?\(", line)
+        if match:
+            shapes = re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))
+            if match.group(3):  # an async start returns (operand, result): count the result
+                shapes = shapes[-1:]
+            size = sum(
+                DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes
+            )
+            found.append((match.group(2), size))
+    return found
+
+
+class NoRecord:
+    """What processes other than 0 log: nothing."""
+
+    def log(self, metrics: dict, generation: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def train(args: Args) -> dict:
     """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
     from tqdm import tqdm
 
     check_args(args)
     start = time.time()
-    cfg = make_config(args)
+    init_distributed(args)
+    lead = jax.process_index() == 0  # only process 0 prints, logs and writes checkpoints
+    mesh = population_mesh()
+    cfg = make_config(args, mesh.size)
+    check_ranges(cfg)
+    spec = jax.sharding.PartitionSpec
     name = args.run_name or default_run_name(args)
     save_dir = Path(args.save_dir or Path(args.runs_dir) / name / "checkpoints")
-    checkpointer = Checkpointer(save_dir, args)
-    checkpointer.check_writable()
+    checkpointer = Checkpointer(save_dir, args, writer=lead)
+    if lead:
+        checkpointer.check_writable()
     resumed = resume_from(args, save_dir, cfg)
     train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
     valid_rows = validation_rows(valid_bytes, args)
     baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
-    rows = jnp.asarray(valid_rows)
-    alphas, thresholds = alpha_schedule(args), z_thresholds(args)
+    padding = -len(valid_rows) % mesh.size  # validation rows spread evenly over the devices
+    rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, spec(POP))
+    alphas, thresholds = alpha_schedule(args), z_thresholds(args, cfg)
 
     if resumed is None:
         params, states, first = jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), 0
     else:
         params, states, first, checkpointer.best, folder = resumed
-        params, states = jax.tree.map(jnp.asarray, (params, states))
         print(f"resuming from {folder} at generation {first}")
         if first >= args.num_epochs:
             print(
                 f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}"
             )
             return {"params": params}
-    step = make_generation_step(cfg)
-    evaluate = make_evaluate(cfg)
+    params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
+    states = global_array(np.asarray(states), mesh, spec(POP))
+    log = print if lead else (lambda *a, **k: None)
+    batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
+    tick = time.time()
+    lowered = make_generation_step(cfg, mesh).lower(params, states, batch, np.int32(first), thresholds[first])
+    step = lowered.compile()  # ahead of time: the program's memory and collectives are known up front
+    traffic = sum(size for _, size in collective_traffic(step.as_text()))
+    temporaries = getattr(step.memory_analysis(), "temp_size_in_bytes", 0)
+    evaluate = make_evaluate(cfg, mesh)
     num_params = num_parameters(cfg)
-    print(
-        f"egg-jax {name}: {num_params:,} int8 parameters, population {cfg.population}, "
-        f"{len(train_bytes):,} training bytes, {rows.size:,} validation bytes, "
-        f"device {jax.devices()[0].platform}"
+    log(
+        f"egg-jax {name}: {num_params:,} int8 parameters, population {cfg.population} on {mesh.size} "
+        f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+        f"{len(train_bytes):,} training bytes, {valid_rows.size:,} validation bytes"
     )
-    print(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
-    record = RunRecord(args, name, {f"baseline/{k}": v for k, v in baselines.items()}, first)
+    log(
+        f"generation step compiled in {time.time() - tick:.1f} s: {traffic:,} bytes of cross-device "
+        f"traffic per generation and device, {temporaries / 2**20:,.1f} MiB of temporaries"
+    )
+    log(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
+    summary = {f"baseline/{k}": v for k, v in baselines.items()}
+    record = RunRecord(args, name, summary, first) if lead else NoRecord()
 
     def validate(params) -> float:
-        ll = np.sum(np.asarray(evaluate(params, rows)), dtype=np.int64)
-        return bits_per_byte(ll, rows.shape[0] * (rows.shape[1] - 1))
+        ll = np.sum(host_copy(evaluate(params, rows))[: len(valid_rows)], dtype=np.int64)
+        return bits_per_byte(ll, valid_rows.shape[0] * (valid_rows.shape[1] - 1))
+
+    def snapshot():
+        """Host copies of the parameters and hidden states (every process takes part)."""
+        return jax.tree.map(host_copy, params), host_copy(states)
 
     metrics, val_bpb, train_seconds, timed = {}, float("nan"), 0.0, 0
     tokens_per_generation = cfg.population * cfg.tokens
-    bar = tqdm(range(first, args.num_epochs), initial=first, total=args.num_epochs, dynamic_ncols=True)
+    generations = range(first, args.num_epochs)
+    bar = tqdm(generations, initial=first, total=args.num_epochs, dynamic_ncols=True, disable=not lead)
     with StopSignal() as stop:
         for generation in bar:
             tick = time.time()
-            batch = batch_at(train_bytes, stream, cfg, generation)
+            if generation > first:
+                batch = global_array(batch_at(train_bytes, stream, cfg, generation), mesh, spec())
             params, states, fitness, moved = step(
                 params, states, batch, np.int32(generation), thresholds[generation]
             )
-            fitness = np.asarray(fitness).astype(np.int64)
+            fitness = local_copy(fitness).astype(np.int64)  # process 0's members: logging only
             seconds = time.time() - tick
             if generation == first:
-                bar.write(f"first generation done {time.time() - start:.1f} s after start")
+                log(f"first generation done {time.time() - start:.1f} s after start")
             else:
                 train_seconds, timed = train_seconds + seconds, timed + 1
             done = generation + 1
@@ -1226,7 +1368,7 @@ def train(args: Args) -> dict:
                 "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
                 "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
                 "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
-                "train/moved_fraction": int(moved) / num_params,
+                "train/moved_fraction": int(host_copy(moved)) / num_params,
                 "train/alpha": float(alphas[generation]),
                 "perf/tokens_per_s": tokens_per_generation / seconds,
                 "perf/seconds": seconds,
@@ -1236,15 +1378,17 @@ def train(args: Args) -> dict:
                 val_bpb = validate(params)
                 metrics["val/bits_per_byte"] = val_bpb
                 metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
-                bar.write(
+                log(
                     f"generation {done}: validation {val_bpb:.2f} bits/byte ({describe_baselines(baselines)})"
                 )
-                checkpointer.offer_best(done, params, states, val_bpb)
+                if val_bpb < checkpointer.best:
+                    checkpointer.offer_best(done, *snapshot(), val_bpb)
             record.log(metrics, done)
-            if last or stop.received or (args.save_every and done % args.save_every == 0):
-                folder = checkpointer.save(done, params, states, val_bpb)
-                if stop.received:
-                    bar.write(f"stopped by signal {stop.received} after generation {done}: saved {folder}")
+            stopping = stop_requested(stop)
+            if last or stopping or (args.save_every and done % args.save_every == 0):
+                folder = checkpointer.save(done, *snapshot(), val_bpb)
+                if stopping:
+                    log(f"stopped by signal after generation {done}: saved {folder}")
                     break
             bar.set_postfix(
                 train=f"{metrics['train/bits_per_byte']:.3f}",
@@ -1255,13 +1399,24 @@ def train(args: Args) -> dict:
     record.close()
     if timed:
         rate = tokens_per_generation * timed / train_seconds
-        print(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
+        log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
     if stop.received == signal.SIGINT:
         raise SystemExit(130)
     if not stop.received:
-        print(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
-    metrics["params"] = params
+        log(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
+    metrics["params"] = jax.tree.map(host_copy, params)
     return metrics
+
+
+def stop_requested(stop: StopSignal) -> bool:
+    """Whether any process received a stop signal: all processes must stop at the same generation
+    (a one-byte gather per generation, only in multi-process runs)."""
+    if jax.process_count() == 1:
+        return stop.received is not None
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
+    return bool(np.max(flags))
 
 
 def parse_args(argv: list[str]) -> Args:

@@ -50,8 +50,8 @@ def jaxpr_dtypes(jaxpr):
 def test_generation_step_has_no_floating_point():
     for overrides in (dict(), dict(fast_fitness=False, use_clt=False, rank=3)):
         args, c, batch = setup(**overrides)
-        step = run.make_generation_step(c)
-        inputs = (run.init_params(c), run.initial_states(c), batch, np.int32(0), run.z_thresholds(args)[0])
+        step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+        inputs = (run.init_params(c), run.initial_states(c), batch, np.int32(0), run.z_thresholds(args, c)[0])
         dtypes = jaxpr_dtypes(jax.make_jaxpr(step)(*inputs).jaxpr)
         assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, dtypes
         hlo = step.lower(*inputs).compile().as_text()
@@ -59,9 +59,9 @@ def test_generation_step_has_no_floating_point():
 
 
 def run_generations(args, c, batch, generations=3):
-    step = run.make_generation_step(c)
+    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
     params, states = run.init_params(c), run.initial_states(c)
-    thresholds = run.z_thresholds(args)
+    thresholds = run.z_thresholds(args, c)
     fitness = []
     for g in range(generations):
         params, states, f, _ = step(params, states, batch, np.int32(g), thresholds[g])

@@ -116,7 +116,8 @@ def test_thresholds_use_the_library_normal_quantile():
     matrix_std, vector_std = run.null_std(run.make_config(args))
     z = statistics.NormalDist().inv_cdf(0.975)
     np.testing.assert_array_equal(
-        run.z_thresholds(args)[1], [math.ceil(z * matrix_std), math.ceil(z * vector_std)]
+        run.z_thresholds(args, run.make_config(args))[1],
+        [math.ceil(z * matrix_std), math.ceil(z * vector_std)],
     )
 
 
@@ -134,7 +135,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
     _, moved = jax.jit(lambda p, n, s, t: run.es_update(p, n, s, t, c))(
-        params, noise, scores, run.z_thresholds(args)[0]
+        params, noise, scores, run.z_thresholds(args, c)[0]
     )
     total = sum(int(p.size) for p in params.values())
     share = int(moved) / total
