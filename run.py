@@ -1449,10 +1449,20 @@ def select_platform() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def enable_compilation_cache(dir_path: str) -> None:
+    """Keep compiled programs in <dir_path>/jax_cache (unless JAX_COMPILATION_CACHE_DIR says
+    otherwise), so a second run of the same configuration starts without compiling."""
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(Path(dir_path) / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> None:
     select_platform()
     try:
-        train(parse_args(sys.argv[1:] if argv is None else argv))
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        enable_compilation_cache(args.dir_path)
+        train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -166,34 +166,12 @@ def unigram_cross_entropy(train, rows):
 
 
 def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path):
-    flags = [
-        "--data",
-        "stdlib",
-        "--dir_path",
-        str(tmp_path),
-        "--n_embd",
-        "32",
-        "--n_layer",
-        "1",
-        "--parallel_generations_per_gpu",
-        "128",
-        "--group_size",
-        "128",
-        "--alpha",
-        "3",
-        "--sigma_shift",
-        "3",
-        "--num_epochs",
-        "800",
-        "--tokens_per_update",
-        "100",
-        "--validation_batch_size",
-        "64",
-        "--validation_tokens",
-        "512",
-        "--validate_every",
-        "400",
-    ]
+    flags = ["--data", "stdlib", "--dir_path", str(tmp_path), "--runs_dir", str(tmp_path / "runs")]
+    flags += (
+        "--n_embd 32 --n_layer 1 --parallel_generations_per_gpu 128 --group_size 128 --alpha 3 "
+        "--sigma_shift 3 --num_epochs 800 --tokens_per_update 100 --validation_batch_size 64 "
+        "--validation_tokens 512 --validate_every 400"
+    ).split()
     result = cli(*flags)
     assert result.returncode == 0, result.stderr[-2000:]
     scores = [float(x) for x in re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)]

@@ -10,29 +10,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = [
-    "--data",
-    "stdlib",
-    "--dir_path",
-    str(ROOT / "cached_files"),
-    "--n_embd",
-    "8",
-    "--n_layer",
-    "2",
-    "--group_size",
-    "4",
-    "--tokens_per_update",
-    "8",
-    "--validation_batch_size",
-    "8",
-    "--validation_tokens",
-    "16",
-    "--num_epochs",
-    "5",
-    "--alpha",
-    "0.3",
-    "--no-fast_fitness",
-]
+COMMON = ["--data", "stdlib", "--dir_path", str(ROOT / "cached_files")] + (
+    "--n_embd 8 --n_layer 2 --group_size 4 --tokens_per_update 8 --validation_batch_size 8 "
+    "--validation_tokens 16 --num_epochs 3 --alpha 0.3 --no-fast_fitness"
+).split()
 
 
 def launch(devices, flags, runs):
@@ -57,7 +38,7 @@ def wait(*procs):
 
 
 def digest(runs: Path) -> str:
-    (final,) = runs.glob("*/checkpoints/gen-00000005")
+    (final,) = runs.glob("*/checkpoints/gen-00000003")
     h = hashlib.sha256()
     for name in ("params.npz", "states.npz"):
         with np.load(final / name) as f:

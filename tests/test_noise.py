@@ -21,7 +21,7 @@ def flat(noise):
 
 
 def test_same_counters_give_the_same_values_jitted_or_not():
-    c = cfg()
+    c = cfg(n_embd=8, n_layer=1)
     eager = run.pair_noise(c, 3, 2)
     jitted = jax.jit(lambda b, k: run.pair_noise(c, b, k))(3, 2)
     batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, jnp.int32(3)))

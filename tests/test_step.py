@@ -58,8 +58,7 @@ def test_generation_step_has_no_floating_point():
         assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo]
 
 
-def run_generations(args, c, batch, generations=3):
-    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+def run_generations(step, args, c, batch, generations=3):
     params, states = run.init_params(c), run.initial_states(c)
     thresholds = run.z_thresholds(args, c)
     fitness = []
@@ -71,8 +70,9 @@ def run_generations(args, c, batch, generations=3):
 
 def test_generations_are_exactly_reproducible_and_move_parameters():
     args, c, batch = setup()
-    p1, s1, f1 = run_generations(args, c, batch)
-    p2, s2, f2 = run_generations(args, c, batch)
+    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+    p1, s1, f1 = run_generations(step, args, c, batch)
+    p2, s2, f2 = run_generations(step, args, c, batch)
     for name in run.PARAM_NAMES:
         np.testing.assert_array_equal(p1[name], p2[name])
     np.testing.assert_array_equal(s1, s2)
