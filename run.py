@@ -71,7 +71,7 @@ class Args:
     sigma_shift: int = 4
     """perturbation scale sigma = 2**-sigma_shift (in weight units)"""
     rank: int = 1
-    """rank r of each matrix perturbation A B^T / sqrt(r)"""
+    """rank r of each matrix perturbation A B^T / sqrt(r) (0: full-rank noise, naive ES, for comparison)"""
     use_clt: bool = True
     """weight the update by the noise values (else by their signs)"""
     fast_fitness: bool = True
@@ -209,7 +209,7 @@ def make_tables(rank: int) -> Tables:
     mant = (np.arange(2**MANT_BITS) + 0.5) / 2**MANT_BITS
     return Tables(
         gauss=np.round(quantiles * 2**NOISE_FRAC).astype(np.int8),
-        gauss_rank=np.round(quantiles * 2**NOISE_FRAC / math.sqrt(rank)).astype(np.int8),
+        gauss_rank=np.round(quantiles * 2**NOISE_FRAC / math.sqrt(max(rank, 1))).astype(np.int8),
         exp2_frac=np.round(2.0 ** (EXP_FRAC - np.arange(16) / 16)).astype(np.int32),
         log2_mant=np.round(np.log2(1 + mant) * 2**LL_FRAC).astype(np.int32),
         recip=np.round(2**RECIP_BITS / np.maximum(np.arange(128), 1)).astype(np.int32),
@@ -306,16 +306,20 @@ def matmul(x, w, nz, sign, sigma_shift: int):
     ((x B) >> NOISE_FRAC) A^T >> sigma_shift. Dividing by sqrt(n) keeps the output's scale ~ s.
     """
     acc = jnp.dot(x, w.T, preferred_element_type=i32)
-    if nz is not None:
+    if isinstance(nz, tuple):
         a, b = nz
         u = jnp.dot(x, b, preferred_element_type=i32) >> NOISE_FRAC  # (r,)
         acc = acc + (jnp.dot(a.astype(i32), sign * u) >> sigma_shift)
+    elif nz is not None:  # --rank 0: a full (m, n) noise matrix E, one more matmul per member
+        acc = acc + ((sign * jnp.dot(x, nz.T, preferred_element_type=i32)) >> sigma_shift)
     return divide_to_int8(acc, 2**WEIGHT_FRAC * math.sqrt(x.shape[-1]))
 
 
 def embed(emb, tok, nz, sign, sigma_shift: int):
     """Row `tok` of the embedding (+ sigma E[tok]), int8 at WEIGHT_FRAC."""
     row = emb[tok].astype(i32)
+    if nz is not None and not isinstance(nz, tuple):  # --rank 0: a full (256, n) noise matrix
+        return vector(emb[tok], nz[tok], sign, sigma_shift)
     if nz is not None:
         a, b = nz  # a (256, r), b (n, r)
         pert = jnp.dot(b, a[tok], preferred_element_type=i32)  # (n,) at 2 * NOISE_FRAC
@@ -412,7 +416,7 @@ def pair_noise(cfg: Config, bucket, pair):
     def leaf(key, name):
         key = jax.random.fold_in(jax.random.fold_in(key, bucket), pair)
         shape = param_shape(name, cfg)
-        if name not in MATRICES:
+        if name not in MATRICES or cfg.rank == 0:  # full-shape noise
             return jnp.asarray(tables.gauss)[jax.random.bits(key, shape, jnp.uint8)]
         a_bits = jax.random.bits(jax.random.fold_in(key, 0), (shape[0], cfg.rank), jnp.uint8)
         b_bits = jax.random.bits(jax.random.fold_in(key, 1), (shape[1], cfg.rank), jnp.uint8)
@@ -495,8 +499,8 @@ def null_std(cfg: Config) -> tuple[float, float]:
         b = float(np.mean(tables.gauss_rank.astype(np.float64) ** 2))
     else:
         a = b = 1.0
-    matrix = fitness_rms * math.sqrt(pairs * cfg.rank * a * b)
-    return matrix, fitness_rms * math.sqrt(pairs * a)
+    vector = fitness_rms * math.sqrt(pairs * a)
+    return (fitness_rms * math.sqrt(pairs * cfg.rank * a * b) if cfg.rank else vector), vector
 
 
 def alpha_schedule(args: Args) -> np.ndarray:
@@ -526,14 +530,15 @@ def z_dtype(cfg: Config):
 
 
 def z_statistic(noise, weights, cfg: Config):
-    """Z of one parameter: sum_k w_k A_k B_k^T for a matrix (A, B) or sum_k w_k v_k for a vector,
-    with the noise replaced by its signs under --no-use_clt. Leading axis of the noise: k."""
+    """Z of one parameter: sum_k w_k A_k B_k^T for a low-rank matrix (A, B), else sum_k w_k E_k
+    (a vector, or a --rank 0 matrix); under --no-use_clt the noise's signs replace its values.
+    Leading axis of the noise: k."""
     prepare = (lambda n: n) if cfg.use_clt else jnp.sign
     if isinstance(noise, tuple):
         a, b = map(prepare, noise)
         weighted = (a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))).astype(z_dtype(cfg))
         return jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
-    return jnp.einsum("k...n,k->...n", prepare(noise), weights, preferred_element_type=i32)
+    return jnp.einsum("k...,k->...", prepare(noise), weights, preferred_element_type=i32)
 
 
 def es_update(params, noise, scores, thresholds, cfg: Config):
@@ -640,6 +645,8 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     u_a = (x_b >> NOISE_FRAC) * a_max * cfg.rank  # ((x B) >> 4) A^T
     score_max = 1 if cfg.fast_fitness else INT8_MAX
     z_noise = a_max * b_max * cfg.rank if cfg.use_clt else cfg.rank
+    if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries
+        x_b, u_a, z_noise = 0, INT8_MAX * a_max * n_in, a_max if cfg.use_clt else 1
     pairs = cfg.population // 2
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
@@ -1069,7 +1076,6 @@ def check_args(args: Args) -> None:
         "tokens_per_update",
         "n_layer",
         "n_embd",
-        "rank",
         "validation_batch_size",
         "group_size",
     ):
@@ -1097,8 +1103,8 @@ def check_args(args: Args) -> None:
         raise UserError(f"--alpha must be > 0 (a share < 1, or a schedule exponent > 1), got {args.alpha}")
     if not 0 <= args.sigma_shift <= 15:
         raise UserError(f"--sigma_shift must be in [0, 15], got {args.sigma_shift}")
-    if args.rank > 64:
-        raise UserError(f"--rank must be in [1, 64], got {args.rank}")
+    if not 0 <= args.rank <= 64:
+        raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
     if args.save_every < 0 or args.keep_checkpoints < 1:

@@ -220,7 +220,7 @@ def test_checkpoint_bad_input(tmp_path):
         (["--tokens_per_update", "-3"], "must be positive"),
         (["--n_layer", "0"], "must be positive"),
         (["--rank", "65"], "--rank"),
-        (["--rank", "0"], "must be positive"),
+        (["--rank", "-1"], "--rank"),
         (["--sigma_shift", "-1"], "--sigma_shift"),
         (["--alpha", "-1"], "--alpha"),
         (["--group_size", "6"], "divide the population"),

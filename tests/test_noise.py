@@ -126,3 +126,20 @@ def test_embedding_perturbation_equals_explicit_row(rank):
     for tok in (0, 65, 255):
         got = np.asarray(run.embed(params["emb"], tok, nz, 1, c.sigma_shift))
         assert np.max(np.abs(got - np.clip(explicit[tok], -127, 127))) < 1
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
+    """--rank 0 (naive ES): a full noise matrix E, x (W + sigma E)^T computed directly."""
+    c = cfg(n_embd=64, rank=0, sigma_shift=2)
+    rng = np.random.default_rng(7)
+    w = rng.integers(-60, 61, (96, 64)).astype(np.int8)
+    e = run.make_tables(0).gauss[rng.integers(0, 256, (96, 64))]
+    w_real = w / 16 + sign * 2.0**-c.sigma_shift * e / 16
+    for _ in range(20):
+        x = rng.integers(-127, 128, 64).astype(np.int8)
+        want = np.clip(x.astype(np.float64) @ w_real.T / math.sqrt(64), -127, 127)
+        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(e), sign, c.sigma_shift))
+        assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
+    full = run.pair_noise(c, 0, 0)
+    assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import run
 
@@ -81,9 +82,10 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
     assert sum(int(np.sum(p1[k] != start[k])) for k in run.PARAM_NAMES) > 0
 
 
-def test_member_fitness_matches_a_single_member_evaluation():
+@pytest.mark.parametrize("rank", [1, 0])
+def test_member_fitness_matches_a_single_member_evaluation(rank):
     """Fitness of member 2k (+noise) and 2k+1 (-noise) equals evaluating that member alone."""
-    args, c, batch = setup()
+    args, c, batch = setup(rank=rank)
     params, states = run.init_params(c), run.initial_states(c)
     noise = run.generation_noise(c, jnp.int32(0))
     tokens = np.repeat(batch, c.group_size, axis=0)

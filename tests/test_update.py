@@ -24,21 +24,21 @@ def reference_update(params, noise, scores, thresholds, c):
     for name, p in params.items():
         p = np.asarray(p).astype(np.int64)
         out = p.copy()
-        if name in run.MATRICES:
+        low_rank = isinstance(noise[name], tuple)
+        if low_rank:
             a_all, b_all = (np.asarray(x).astype(np.int64) for x in noise[name])
             if not c.use_clt:
                 a_all, b_all = np.sign(a_all), np.sign(b_all)
-            threshold = thresholds[0]
         else:
             v_all = np.asarray(noise[name]).astype(np.int64)
             if not c.use_clt:
                 v_all = np.sign(v_all)
-            threshold = thresholds[1]
+        threshold = thresholds[0] if name in run.MATRICES else thresholds[1]
         for index in np.ndindex(p.shape):
             z = 0
             for k in range(pairs):
                 j = k % c.distinct_pairs
-                if name in run.MATRICES:
+                if low_rank:
                     *layer, row, col = index
                     a, b = a_all[j][tuple(layer)], b_all[j][tuple(layer)]
                     z += int(scores[k]) * sum(int(a[row, r] * b[col, r]) for r in range(c.rank))
@@ -58,6 +58,7 @@ def reference_update(params, noise, scores, thresholds, c):
         dict(fast_fitness=False),
         dict(num_perturbations=4),
         dict(fast_fitness=False, use_clt=False, num_perturbations=2),
+        dict(rank=0),
     ],
 )
 def test_update_equals_slow_numpy_reference(overrides):
@@ -121,7 +122,9 @@ def test_thresholds_use_the_library_normal_quantile():
     )
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3)])
+@pytest.mark.parametrize(
+    "overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3), dict(rank=0)]
+)
 def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     """With fitness unrelated to the noise, a level-alpha Z-test moves ~alpha of the entries."""
     alpha = 0.2
