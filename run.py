@@ -40,6 +40,8 @@ import numpy as np
 @dataclass(frozen=True)
 class Args:
     # experiment
+    benchmark: bool = False
+    """time training, fitness, inference and full-rank ES generations on random bytes, print a table"""
     seed: int = 0
     """seed of the initial parameters and of every perturbation"""
     num_epochs: int = 1000
@@ -567,7 +569,7 @@ def population_mesh(devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices or jax.devices()), (POP,))
 
 
-def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
+def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "train"):
     """One generation as one jitted call: population fitness, then the update.
 
     step(params, states, batch, generation, thresholds) -> (params, states, fitness, moved)
@@ -575,19 +577,28 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
     Each device evaluates its parallel_generations_per_gpu members (states and fitness are
     sharded); the one collective gathers every pair's int8 score (half a byte per member); then
     every device rebuilds all the noise from its counters and applies the identical update to
-    its replicated parameters.
+    its replicated parameters. For --benchmark, part="fitness" stops before the update and
+    part="inference" runs the same members and tokens without noise.
     """
     spec = jax.sharding.PartitionSpec
+    tables = make_tables(cfg.rank)
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
 
     def local_step(params, states, batch, generation, thresholds):
         first = jax.lax.axis_index(POP) * members
+        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
+        nothing = jnp.zeros((), i32)
+        if part == "inference":
+            member = partial(sequence_log2_likelihood, params, None, 1, cfg=cfg, tables=tables)
+            fitness, states = jax.vmap(member)(states, tokens[:, :-1], tokens[:, 1:])
+            return params, states, fitness, nothing
         noise = generation_noise(cfg, generation)  # every pair's: the update needs them all
         offset = (first // 2) % cfg.distinct_pairs
         local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct), noise)
-        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
         fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], cfg)
+        if part == "fitness":
+            return params, states, fitness, nothing
         scores = jax.lax.all_gather(shape_fitness(fitness, cfg, POP), POP, tiled=True)
         params, moved = es_update(params, noise, scores, thresholds, cfg)
         return params, states, fitness, moved
@@ -1425,6 +1436,72 @@ def stop_requested(stop: StopSignal) -> bool:
     return bool(np.max(flags))
 
 
+def peak_memory() -> str:
+    """Peak device memory on an accelerator, else the process's peak resident set size."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB peak device memory"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+
+
+def benchmark(args: Args) -> dict[str, float]:
+    """Time one generation of each kind on random bytes and print one table: (a) training,
+    (b) fitness only, (c) noise-free inference of the same members and tokens, (d) naive
+    full-rank ES (--rank 0) on the same model. Returns the tokens/s of each."""
+    check_args(args)
+    mesh = population_mesh()
+    spec = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for label, part, rank in (
+        ("a training", "train", args.rank),
+        ("b fitness only", "fitness", args.rank),
+        ("c inference", "inference", args.rank),
+        ("d full-rank ES", "train", 0),
+    ):
+        cfg = make_config(dataclasses.replace(args, rank=rank), mesh.size)
+        params = jax.jit(init_params, static_argnums=0)(cfg)
+        params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
+        states = global_array(np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8), mesh, spec(POP))
+        batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
+        batch = global_array(batch, mesh, spec())
+        thresholds = z_thresholds(args, cfg)[0]
+        tick = time.time()
+        step = make_generation_step(cfg, mesh, part).lower(params, states, batch, np.int32(0), thresholds)
+        step = step.compile()
+        compile_seconds = time.time() - tick
+        params, states, *rest = jax.block_until_ready(step(params, states, batch, np.int32(0), thresholds))
+        timings = []
+        for generation in range(1, 1 + max(3, args.num_epochs)):
+            tick = time.time()
+            params, states, *rest = jax.block_until_ready(
+                step(params, states, batch, np.int32(generation), thresholds)
+            )
+            timings.append(time.time() - tick)
+        seconds = float(np.median(timings))
+        rows.append((label, cfg.population * cfg.tokens / seconds, seconds, compile_seconds))
+    rate = {label[0]: tokens for label, tokens, _, _ in rows}
+    device = jax.devices()[0]
+    population = args.parallel_generations_per_gpu * mesh.size
+    print(
+        f"device: {mesh.size} x {device.platform} ({device.device_kind}); "
+        f"model {args.n_embd}D-{args.n_layer}L "
+        f"({num_parameters(make_config(args)):,} parameters); population {population}, "
+        f"{args.tokens_per_update} tokens per member, rank {args.rank}; median of {len(timings)} generations"
+    )
+    print(f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10}")
+    for label, tokens, seconds, compile_seconds in rows:
+        print(f"{label:18} {tokens:12,.0f} {seconds:13.4f} {compile_seconds:10.1f}")
+    share = 1 - rate["a"] / rate["b"]
+    print(
+        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; low-rank / full-rank ES (a/d): "
+        f"{rate['a'] / rate['d']:.1f}x; update share of a generation: {share:.1%}; {peak_memory()}"
+    )
+    return rate
+
+
 def parse_args(argv: list[str]) -> Args:
     """Args from the command line. Besides tyro's --flag / --no-flag, booleans also accept
     --flag=True|False and --flag True|False: the forms W&B sweep agents pass with ${args}."""
@@ -1468,7 +1545,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         enable_compilation_cache(args.dir_path)
-        train(args)
+        benchmark(args) if args.benchmark else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -127,3 +127,27 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     np.testing.assert_array_equal(h_a, h_b)
     assert int(ll_a) != int(ll_b)  # but the bytes before the separator saw the carried state
     assert np.any(np.asarray(h_end) != 0)
+
+
+def test_benchmark_prints_one_table_with_every_mode(capsys):
+    args = run.Args(
+        benchmark=True,
+        n_embd=8,
+        n_layer=1,
+        parallel_generations_per_gpu=16,
+        group_size=4,
+        tokens_per_update=8,
+        num_epochs=1,
+    )
+    rate = run.benchmark(args)
+    assert set(rate) == {"a", "b", "c", "d"} and all(v > 0 for v in rate.values())
+    out = capsys.readouterr().out
+    for label in (
+        "a training",
+        "b fitness only",
+        "c inference",
+        "d full-rank ES",
+        "training / inference (a/c)",
+        "peak RSS",
+    ):
+        assert label in out
