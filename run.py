@@ -119,6 +119,22 @@ class Args:
     proc_id: int = 0
     """index of this process in a multi-host run started by hand"""
 
+    # sampling
+    sample: bool = False
+    """generate text from the checkpoint given by --resume instead of training"""
+    prompt: str = "The "
+    """text the samples continue"""
+    max_new_bytes: int = 200
+    """bytes to generate per sample"""
+    temperature: float = 0.6
+    """sampling temperature (0: greedy)"""
+    min_p: float = 0.08
+    """drop bytes whose probability is below min_p times the most likely byte's"""
+    presence_penalty: float = 0.2
+    """bits subtracted from the log2-probability of every byte already generated"""
+    sample_every: int = 0
+    """generations between samples printed (and logged) during training (0: none)"""
+
     # checkpoints
     save_dir: str = ""
     """folder of this run's checkpoints (default: <runs_dir>/<run_name>/checkpoints)"""
@@ -1131,6 +1147,10 @@ def check_args(args: Args) -> None:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
+    if args.temperature < 0 or not 0 <= args.min_p <= 1 or args.max_new_bytes < 0 or args.sample_every < 0:
+        raise UserError(
+            "--temperature and --max_new_bytes must be >= 0, --min_p in [0, 1], --sample_every >= 0"
+        )
     if args.save_every < 0 or args.keep_checkpoints < 1:
         raise UserError("--save_every must be >= 0 and --keep_checkpoints >= 1")
     check_ranges(make_config(args))
@@ -1165,7 +1185,7 @@ class RunRecord:
         elif path.exists():  # a new run under an old name: keep the old record aside
             path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
         self.lines = open(path, "a")
-        self.wandb = None
+        self.wandb, self.samples = None, []
         if args.track:
             import wandb
 
@@ -1182,6 +1202,11 @@ class RunRecord:
         self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
         self.lines.flush()
         if self.wandb is not None:
+            if "samples/text" in metrics:  # every sample so far, as one table
+                import wandb
+
+                self.samples.append([generation, metrics["samples/text"]])
+                metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
             self.wandb.log(metrics, step=generation)
 
     def close(self) -> None:
@@ -1324,6 +1349,7 @@ def train(args: Args) -> dict:
     checkpointer = Checkpointer(save_dir, args, writer=lead)
     if lead:
         checkpointer.check_writable()
+    log = print if lead else (lambda *a, **k: None)
     resumed = resume_from(args, save_dir, cfg)
     train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
@@ -1337,7 +1363,7 @@ def train(args: Args) -> dict:
         params, states, first = jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), 0
     else:
         params, states, first, checkpointer.best, folder = resumed
-        print(f"resuming from {folder} at generation {first}")
+        log(f"resuming from {folder} at generation {first}")
         if first >= args.num_epochs:
             print(
                 f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}"
@@ -1345,7 +1371,6 @@ def train(args: Args) -> dict:
             return {"params": params}
     params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
     states = global_array(np.asarray(states), mesh, spec(POP))
-    log = print if lead else (lambda *a, **k: None)
     batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
     tick = time.time()
     lowered = make_generation_step(cfg, mesh).lower(params, states, batch, np.int32(first), thresholds[first])
@@ -1413,6 +1438,10 @@ def train(args: Args) -> dict:
                 )
                 if val_bpb < checkpointer.best:
                     checkpointer.offer_best(done, *snapshot(), val_bpb)
+            if args.sample_every and done % args.sample_every == 0:
+                text = printable(sample_text(params, cfg, args, args.seed + done))
+                metrics["samples/text"] = text
+                log(f"generation {done} sample: {args.prompt}{text}")
             record.log(metrics, done)
             stopping = stop_requested(stop)
             if last or stopping or (args.save_every and done % args.save_every == 0):
@@ -1447,6 +1476,70 @@ def stop_requested(stop: StopSignal) -> bool:
 
     flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
     return bool(np.max(flags))
+
+
+def sampling_probabilities(logits, generated, temperature: float, min_p: float, penalty: float):
+    """Next-byte probabilities from the model's int8 logits (log2-probabilities at LOGIT_FRAC):
+    `penalty` bits off every byte already generated, divided by the temperature, then bytes
+    below min_p times the most likely one dropped. Temperature 0 is greedy decoding."""
+    bits = np.asarray(logits, np.float64) / 2**LOGIT_FRAC - penalty * np.asarray(generated, np.float64)
+    if temperature <= 0:
+        return (np.arange(VOCAB) == np.argmax(bits)).astype(np.float64)
+    weights = np.exp2((bits - bits.max()) / temperature)
+    weights[weights < min_p] = 0.0  # the most likely byte has weight exactly 1
+    return weights / weights.sum()
+
+
+@cache
+def make_sampler(cfg: Config):
+    """Noise-free next-byte logits: step(params, h, byte) -> (logits (256,) int8, h)."""
+    tables = make_tables(cfg.rank)
+
+    def step(params, h, byte):
+        h = jnp.where(byte == 0, jnp.zeros_like(h), h)
+        return token_logits(params, None, 1, h, byte, cfg, tables)
+
+    return jax.jit(step)
+
+
+def sample_text(params, cfg: Config, args: Args, seed: int) -> bytes:
+    """Continue --prompt by --max_new_bytes bytes (deterministic for a seed). The prompt is fed
+    after a byte 0, the document separator the model saw before every document."""
+    step, rng = make_sampler(cfg), np.random.default_rng(seed)
+    h = jnp.zeros((cfg.n_layer, cfg.n_embd), jnp.int8)
+    for byte in b"\0" + args.prompt.encode():
+        logits, h = step(params, h, np.uint8(byte))
+    generated, out = np.zeros(VOCAB, bool), bytearray()
+    for _ in range(args.max_new_bytes):
+        probs = sampling_probabilities(logits, generated, args.temperature, args.min_p, args.presence_penalty)
+        byte = int(rng.choice(VOCAB, p=probs))
+        out.append(byte)
+        generated[byte] = True
+        logits, h = step(params, h, np.uint8(byte))
+    return bytes(out)
+
+
+def printable(data: bytes) -> str:
+    """Bytes as text, with undecodable bytes shown as \\xNN escapes."""
+    return data.decode("utf-8", errors="backslashreplace")
+
+
+def sample(args: Args) -> str:
+    """--sample: print a continuation of --prompt by the model of --resume."""
+    if not args.resume:
+        raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
+    name = args.run_name or default_run_name(args)
+    folder = find_resume(args.resume, Path(args.save_dir or Path(args.runs_dir) / name / "checkpoints"))[0]
+    try:
+        model = json.loads((folder / "meta.json").read_text())["args"]
+    except (OSError, ValueError, KeyError):
+        raise UnreadableCheckpoint(f"checkpoint {folder} is unreadable: resume from another one") from None
+    model_args = dataclasses.replace(args, n_embd=model["n_embd"], n_layer=model["n_layer"])
+    cfg = make_config(model_args)
+    params, _, _ = load_checkpoint(folder, cfg)
+    text = args.prompt + printable(sample_text(jax.tree.map(jnp.asarray, params), cfg, args, args.seed))
+    print(text)
+    return text
 
 
 def peak_memory() -> str:
@@ -1558,7 +1651,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         enable_compilation_cache(args.dir_path)
-        benchmark(args) if args.benchmark else train(args)
+        benchmark(args) if args.benchmark else sample(args) if args.sample else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

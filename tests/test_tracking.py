@@ -141,6 +141,10 @@ def test_offline_wandb_run_and_local_record(tmp_path):
         "egg-test",
         "--validate_every",
         "2",
+        "--sample_every",
+        "2",
+        "--max_new_bytes",
+        "16",
         *TINY,
     ]
     result = subprocess.run(
@@ -159,9 +163,14 @@ def test_offline_wandb_run_and_local_record(tmp_path):
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [line["generation"] for line in lines] == [1, 2, 3]
     assert all(
-        key.split("/")[0] in ("train", "val", "perf") for line in lines for key in line if key != "generation"
+        key.split("/")[0] in ("train", "val", "perf", "samples")
+        for line in lines
+        for key in line
+        if key != "generation"
     )
     assert "val/bits_per_byte" in lines[1] and "val/unigram_bits_per_byte" in lines[2]
+    assert "generation 2 sample: The " in result.stdout and "samples/text" in lines[1]
+    assert "samples/text" not in lines[0] and len(lines[1]["samples/text"]) >= 16
     assert json.loads((folder / "config.json").read_text())["track"] is True
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     raw = log.read_bytes()

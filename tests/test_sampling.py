@@ -1,0 +1,116 @@
+"""Sampling from the model's integer logits: min_p, presence penalty, greedy, reproducibility."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def logits_with(**bits):
+    """int8 logits (log2-probabilities at 4 fractional bits) for the given bytes, -64 elsewhere."""
+    logits = np.full(256, -64, np.int8)
+    for char, value in bits.items():
+        logits[ord(char)] = value * 16
+    return logits
+
+
+def test_min_p_drops_unlikely_bytes():
+    logits = logits_with(A=4, B=3, C=0)  # weights 1, 1/2, 1/16 relative to A; the rest 2**-8
+    probs = run.sampling_probabilities(logits, np.zeros(256, bool), 1.0, 0.1, 0.0)
+    np.testing.assert_allclose(probs[[65, 66]], [2 / 3, 1 / 3])
+    assert probs.sum() == pytest.approx(1) and np.count_nonzero(probs) == 2
+    kept = run.sampling_probabilities(logits, np.zeros(256, bool), 1.0, 0.05, 0.0)
+    np.testing.assert_allclose(kept[[65, 66, 67]], np.array([1, 0.5, 1 / 16]) / 1.5625)
+
+
+def test_presence_penalty_lowers_generated_bytes():
+    logits = logits_with(A=4, B=3)
+    generated = np.zeros(256, bool)
+    generated[65] = True  # A already generated: 4 - 2 = 2 bits, now below B
+    probs = run.sampling_probabilities(logits, generated, 1.0, 0.1, 2.0)
+    np.testing.assert_allclose(probs[[65, 66]], [1 / 3, 2 / 3])
+
+
+def test_temperature_sharpens_and_zero_is_greedy():
+    logits = logits_with(A=4, B=3)
+    cold = run.sampling_probabilities(logits, np.zeros(256, bool), 0.5, 0.0, 0.0)
+    assert cold[65] / cold[66] == pytest.approx(4)  # 2 ** (1 bit / 0.5)
+    for temperature in (0.0, 1e-9):
+        greedy = run.sampling_probabilities(logits, np.zeros(256, bool), temperature, 1.0, 0.0)
+        assert greedy[65] == 1 and greedy.sum() == 1
+
+
+def model():
+    args = run.Args(n_embd=16, n_layer=1, seed=3, max_new_bytes=40, prompt="def ")
+    cfg = run.make_config(args)
+    return args, cfg, run.init_params(cfg)
+
+
+def test_sampling_is_reproducible_for_a_seed():
+    args, cfg, params = model()
+    first = run.sample_text(params, cfg, args, seed=1)
+    assert len(first) == 40
+    assert run.sample_text(params, cfg, args, seed=1) == first
+    assert run.sample_text(params, cfg, args, seed=2) != first
+
+
+def test_min_p_one_at_low_temperature_is_greedy_decoding():
+    args, cfg, params = model()
+    args = run.dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
+    got = run.sample_text(params, cfg, args, seed=5)
+    step, h = run.make_sampler(cfg), jnp.zeros((1, 16), jnp.int8)
+    for byte in b"\0def ":
+        logits, h = step(params, h, np.uint8(byte))
+    want = bytearray()
+    for _ in range(12):
+        want.append(int(np.argmax(np.asarray(logits))))
+        logits, h = step(params, h, np.uint8(want[-1]))
+    assert got == bytes(want)
+
+
+def test_undecodable_bytes_are_shown_safely():
+    assert run.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
+
+
+def test_sample_from_a_checkpoint_on_the_command_line(tmp_path):
+    args, cfg, params = model()
+    run.save_checkpoint(
+        tmp_path / "ckpt", params, run.initial_states(cfg), {"args": {"n_embd": 16, "n_layer": 1}}
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "--sample",
+            "--resume",
+            str(tmp_path / "ckpt"),
+            "--prompt",
+            "import ",
+            "--max_new_bytes",
+            "30",
+            "--seed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("import ")
+    expected = run.printable(
+        run.sample_text(
+            params, cfg, run.dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4
+        )
+    )
+    assert result.stdout.rstrip("\n") == "import " + expected
+    missing = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "--sample"], capture_output=True, text=True, timeout=300
+    )
+    assert missing.returncode == 2 and "--sample needs --resume" in missing.stderr
