@@ -119,6 +119,12 @@ class Args:
     proc_id: int = 0
     """index of this process in a multi-host run started by hand"""
 
+    # diagnostics
+    log_every: int = 0
+    """generations between integer-health diagnostics, logged as diag/... (0: none)"""
+    debug: bool = False
+    """print the diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
+
     # sampling
     sample: bool = False
     """generate text from the checkpoint given by --resume instead of training"""
@@ -353,9 +359,10 @@ def layer_norm(x, gain, tables: Tables):
     return clip_int8((scaled * jnp.asarray(tables.recip)[mean]) >> RECIP_BITS)  # < 2**30
 
 
-def block(x, h, p, nz, sign, cfg: Config, tables: Tables):
+def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False):
     """One minGRU block. x: residual stream (n,) int8 at WEIGHT_FRAC; h: hidden state (n,) int8
-    using the full range (real = q / 127). Returns the new stream and state."""
+    using the full range (real = q / 127). Returns the new stream and state, and with `collect`
+    the block's int8 activations for diagnostics (else an empty dict)."""
 
     def nzs(name):
         return None if nz is None else nz[name]
@@ -376,11 +383,14 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables):
     x = clipped_add(x, h)
     a = layer_norm(x, vec("ln2"), tables)
     hidden = jnp.maximum(mm(a, "W1"), 0)  # ReLU, (4n,)
-    return clipped_add(x, mm(hidden, "W2")), h
+    x = clipped_add(x, mm(hidden, "W2"))
+    seen = {"gate": (g - INT8_MAX).astype(jnp.int8), "candidate": c.astype(jnp.int8), "state": h}
+    return x, h, ({**seen, "mlp_hidden": hidden, "residual": x} if collect else {})
 
 
-def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables):
-    """One byte through the model: logits (256,) int8 at LOGIT_FRAC, new states (L, n)."""
+def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect: bool = False):
+    """One byte through the model: logits (256,) int8 at LOGIT_FRAC, new states (L, n), and with
+    `collect` the int8 activations of every layer (else an empty dict)."""
 
     def nzs(name):
         return None if nz is None else nz[name]
@@ -391,11 +401,14 @@ def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables):
 
     def layer(x, inputs):
         p, n, h_layer = inputs
-        return block(x, h_layer, p, n, sign, cfg, tables)
+        x, h_layer, seen = block(x, h_layer, p, n, sign, cfg, tables, collect)
+        return x, (h_layer, seen)
 
-    x, h = jax.lax.scan(layer, x, (block_params, block_noise, h))
+    embedding = x
+    x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
     x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, cfg.sigma_shift), tables)
-    return matmul(x, params["head"], nzs("head"), sign, cfg.sigma_shift), h
+    logits = matmul(x, params["head"], nzs("head"), sign, cfg.sigma_shift)
+    return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
 
 
 def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, tables: Tables):
@@ -405,7 +418,7 @@ def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, 
     def step(h, io):
         tok, target = io
         h = jnp.where(tok == 0, jnp.zeros_like(h), h)
-        logits, h = token_logits(params, nz, sign, h, tok, cfg, tables)
+        logits, h, _ = token_logits(params, nz, sign, h, tok, cfg, tables)
         return h, log2_likelihood(logits, target, tables)
 
     h, ll = jax.lax.scan(step, h, (inputs, targets))
@@ -1147,6 +1160,8 @@ def check_args(args: Args) -> None:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
+    if args.log_every < 0:
+        raise UserError(f"--log_every must be >= 0, got {args.log_every}")
     if args.temperature < 0 or not 0 <= args.min_p <= 1 or args.max_new_bytes < 0 or args.sample_every < 0:
         raise UserError(
             "--temperature and --max_new_bytes must be >= 0, --min_p in [0, 1], --sample_every >= 0"
@@ -1400,6 +1415,9 @@ def train(args: Args) -> dict:
         """Host copies of the parameters and hidden states (every process takes part)."""
         return jax.tree.map(host_copy, params), host_copy(states)
 
+    diagnose_every = args.log_every or (10 if args.debug else 0)
+    probe, probe_rows = make_probe(cfg), valid_rows[:16, :65]  # compiled on first use only
+
     metrics, val_bpb, train_seconds, timed = {}, float("nan"), 0.0, 0
     tokens_per_generation = cfg.population * cfg.tokens
     generations = range(first, args.num_epochs)
@@ -1409,6 +1427,8 @@ def train(args: Args) -> dict:
             tick = time.time()
             if generation > first:
                 batch = global_array(batch_at(train_bytes, stream, cfg, generation), mesh, spec())
+            diagnose = diagnose_every and (generation + 1) % diagnose_every == 0
+            before = jax.tree.map(host_copy, params) if diagnose else None  # the step donates params
             params, states, fitness, moved = step(
                 params, states, batch, np.int32(generation), thresholds[generation]
             )
@@ -1438,6 +1458,12 @@ def train(args: Args) -> dict:
                 )
                 if val_bpb < checkpointer.best:
                     checkpointer.offer_best(done, *snapshot(), val_bpb)
+            if diagnose:
+                seen = jax.tree.map(host_copy, probe(params, probe_rows))
+                values = diagnostics(seen, jax.tree.map(host_copy, params), before)
+                metrics.update(values)
+                if args.debug:
+                    log(f"generation {done} diagnostics:\n{diagnostics_table(values)}")
             if args.sample_every and done % args.sample_every == 0:
                 text = printable(sample_text(params, cfg, args, args.seed + done))
                 metrics["samples/text"] = text
@@ -1497,7 +1523,7 @@ def make_sampler(cfg: Config):
 
     def step(params, h, byte):
         h = jnp.where(byte == 0, jnp.zeros_like(h), h)
-        return token_logits(params, None, 1, h, byte, cfg, tables)
+        return token_logits(params, None, 1, h, byte, cfg, tables)[:2]
 
     return jax.jit(step)
 
@@ -1540,6 +1566,86 @@ def sample(args: Args) -> str:
     text = args.prompt + printable(sample_text(jax.tree.map(jnp.asarray, params), cfg, args, args.seed))
     print(text)
     return text
+
+
+def make_probe(cfg: Config):
+    """Noise-free forward of a few rows, keeping every int8 activation: probe(params, rows (R, L)
+    uint8) -> {name: (R, L, ...) int8}, block activations as (R, L, n_layer, ...)."""
+    tables = make_tables(cfg.rank)
+
+    def probe(params, rows):
+        def step(h, tok):
+            h = jnp.where(tok == 0, jnp.zeros_like(h), h)
+            _, h, seen = token_logits(params, None, 1, h, tok, cfg, tables, collect=True)
+            return h, seen
+
+        def row(tokens):
+            return jax.lax.scan(step, jnp.zeros((cfg.n_layer, cfg.n_embd), jnp.int8), tokens)[1]
+
+        return jax.vmap(row)(rows)
+
+    return jax.jit(probe)
+
+
+LAYER_TENSORS = ("gate", "candidate", "state", "mlp_hidden", "residual")
+
+
+def tensor_stats(values: np.ndarray) -> dict[str, float]:
+    """Mean, standard deviation, entropy of the value histogram in bits (0 to 8) and the share
+    saturated at +-127, of an int8 tensor."""
+    values = np.asarray(values).ravel().astype(np.int64)
+    counts = np.bincount(values + 128, minlength=256)
+    p = counts[counts > 0] / values.size
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "entropy": float(-(p * np.log2(p)).sum()),
+        "saturated": float(np.mean(np.abs(values) == INT8_MAX)),
+    }
+
+
+def diagnostics(seen: dict, params: dict, before: dict) -> dict[str, float]:
+    """diag/ metrics: activation statistics per tensor and layer; per parameter the share at
+    +-127 and the share that moved in the last generation (params against before)."""
+    out = {}
+    for name in ("embedding", "logits"):
+        out.update({f"diag/{name}/{k}": v for k, v in tensor_stats(seen[name]).items()})
+    for name in LAYER_TENSORS:
+        for layer in range(np.shape(seen[name])[2]):
+            stats = tensor_stats(np.asarray(seen[name])[:, :, layer])
+            out.update({f"diag/{name}{layer}/{k}": v for k, v in stats.items()})
+    for name in PARAM_NAMES:
+        p = np.asarray(params[name])
+        out[f"diag/param_{name}/saturated"] = float(np.mean(np.abs(p) == INT8_MAX))
+        out[f"diag/param_{name}/moved"] = float(np.mean(p != np.asarray(before[name])))
+    return out
+
+
+def diagnostics_table(values: dict[str, float]) -> str:
+    """A compact table of the diag/ metrics, coloured: red where values saturate (> 5% at +-127)
+    or collapse (entropy < 2 bits), yellow at > 1% or < 4 bits, green otherwise."""
+    rows = {}
+    for key, value in values.items():
+        _, tensor, stat = key.split("/")
+        rows.setdefault(tensor, {})[stat] = value
+
+    def colour(text, saturated, entropy):
+        code = 31 if saturated > 0.05 or entropy < 2 else 33 if saturated > 0.01 or entropy < 4 else 32
+        return f"\033[{code}m{text}\033[0m"
+
+    lines = [f"{'tensor':14} {'mean':>8} {'std':>8} {'entropy':>8} {'sat%':>6} {'moved%':>7}"]
+    for tensor, stats in rows.items():
+        if "entropy" in stats:
+            text = (
+                f"{tensor:14} {stats['mean']:8.2f} {stats['std']:8.2f} {stats['entropy']:8.2f} "
+                f"{100 * stats['saturated']:6.2f} {'':>7}"
+            )
+            lines.append(colour(text, stats["saturated"], stats["entropy"]))
+        else:
+            blank = f"{'':>8} " * 3
+            text = f"{tensor:14} {blank}{100 * stats['saturated']:6.2f} {100 * stats['moved']:7.3f}"
+            lines.append(colour(text, stats["saturated"], 8.0))
+    return "\n".join(lines)
 
 
 def peak_memory() -> str:

@@ -143,6 +143,9 @@ def test_offline_wandb_run_and_local_record(tmp_path):
         "2",
         "--sample_every",
         "2",
+        "--log_every",
+        "3",
+        "--debug",
         "--max_new_bytes",
         "16",
         *TINY,
@@ -163,7 +166,7 @@ def test_offline_wandb_run_and_local_record(tmp_path):
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [line["generation"] for line in lines] == [1, 2, 3]
     assert all(
-        key.split("/")[0] in ("train", "val", "perf", "samples")
+        key.split("/")[0] in ("train", "val", "perf", "samples", "diag")
         for line in lines
         for key in line
         if key != "generation"
@@ -171,6 +174,12 @@ def test_offline_wandb_run_and_local_record(tmp_path):
     assert "val/bits_per_byte" in lines[1] and "val/unigram_bits_per_byte" in lines[2]
     assert "generation 2 sample: The " in result.stdout and "samples/text" in lines[1]
     assert "samples/text" not in lines[0] and len(lines[1]["samples/text"]) >= 16
+    assert "generation 3 diagnostics:" in result.stdout and "\033[" in result.stdout
+    assert (
+        "diag/param_emb/moved" in lines[2]
+        and "diag/gate0/entropy" in lines[2]
+        and "diag/gate0/mean" not in lines[1]
+    )
     assert json.loads((folder / "config.json").read_text())["track"] is True
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     raw = log.read_bytes()
