@@ -1065,6 +1065,16 @@ def find_resume(resume: str, save_dir: Path) -> list[Path]:
     return [path]
 
 
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+
+
 class Checkpointer:
     """Saves every --save_every generations, keeps the last --keep_checkpoints plus the best by
     validation bits/byte, and points LATEST and BEST at them."""
@@ -1074,12 +1084,20 @@ class Checkpointer:
         self.best = math.inf
 
     def check_writable(self) -> None:
+        """Fail early on an unwritable save_dir; remove what a killed save left half-written."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.dir / ".write-test", b"")
             (self.dir / ".write-test").unlink()
         except OSError as error:
             raise UserError(f"cannot write checkpoints to --save_dir {self.dir}: {error.strerror}") from None
+        for tmp in self.dir.glob(".*.tmp*"):
+            pid = tmp.name.rsplit(".tmp", 1)[1]
+            if pid.isdigit() and not process_alive(int(pid)):
+                if tmp.is_dir():
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink()
 
     def meta(self, generation: int, val_bpb: float) -> dict:
         args = dataclasses.asdict(self.args)
@@ -1184,6 +1202,15 @@ def default_run_name(args: Args) -> str:
     return f"{name}-{args.tag}" if args.tag else name
 
 
+def logged_before(line: str, generation: int) -> bool:
+    """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
+    while writing can leave a last line cut short)."""
+    try:
+        return line.endswith("\n") and json.loads(line)["generation"] <= generation
+    except (ValueError, KeyError):
+        return False
+
+
 class RunRecord:
     """Where a run's metrics go: always one JSON line per logged generation in
     <runs_dir>/<run_name>/metrics.jsonl; with --track also Weights & Biases."""
@@ -1195,7 +1222,7 @@ class RunRecord:
         write_atomic(self.folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
         path = self.folder / "metrics.jsonl"
         if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
-            kept = [x for x in path.read_text().splitlines(True) if json.loads(x)["generation"] <= generation]
+            kept = [x for x in path.read_text().splitlines(True) if logged_before(x, generation)]
             write_atomic(path, "".join(kept).encode())
         elif path.exists():  # a new run under an old name: keep the old record aside
             path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
