@@ -276,14 +276,14 @@ def log2_likelihood(logits, target, tables: Tables):
     """log2 softmax(logits)[target] at LL_FRAC, integers only. logits: (256,) int8 at LOGIT_FRAC.
 
     With d = max - logits in [0, 254]: sum 2**(-d/16) = sum exp2_frac[d % 16] >> (d // 16), each
-    term <= 2**20 and the largest exactly 2**20, so 2**20 <= s < 2**28. log2 s = e + log2(1 + m)
+    term <= 2**20 and the largest exactly 2**20, so 2**20 <= s <= 2**28. log2 s = e + log2(1 + m)
     with e the top bit (count leading zeros) and m the next MANT_BITS bits, read from a table.
     """
     logits = logits.astype(i32)
     top = jnp.max(logits)
     d = top - logits
     s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4))
-    exponent = 31 - jax.lax.clz(s)  # in [20, 27]
+    exponent = 31 - jax.lax.clz(s)  # in [20, 28]
     mantissa = (s >> (exponent - MANT_BITS)) - (1 << MANT_BITS)
     log2_s = ((exponent - EXP_FRAC) << LL_FRAC) + jnp.asarray(tables.log2_mant)[mantissa]
     return ((logits[target] - top) << (LL_FRAC - LOGIT_FRAC)) - log2_s
@@ -294,24 +294,29 @@ def log2_likelihood(logits, target, tables: Tables):
 # noise (None for the noise-free model) and `sign` (+1 or -1) its antithetic side.
 
 
+def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
+    """Shape of one parameter (one layer's, for block parameters); matrices are (out, in)."""
+    n = cfg.n_embd
+    return dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n)).get(
+        name, (n, n) if name in MATRICES else (n,)
+    )
+
+
 def init_params(cfg: Config):
     """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, 1) at
     WEIGHT_FRAC, drawn from the same quantile table as the noise (no floating point)."""
     tables = make_tables(cfg.rank)
     key = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 0)  # 1: noise
-    n, L = cfg.n_embd, cfg.n_layer
-    shapes = dict(emb=(VOCAB, n), Wf=(n, n), Uf=(n, n), Wh=(n, n), Uh=(n, n))
-    shapes.update(W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n))
     params = {}
     for i, name in enumerate(PARAM_NAMES):
-        leading = (L,) if name in BLOCK_NAMES else ()
+        shape = (cfg.n_layer,) * (name in BLOCK_NAMES) + param_shape(name, cfg)
         if name in MATRICES:
-            bits = jax.random.bits(jax.random.fold_in(key, i), leading + shapes[name], jnp.uint8)
+            bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
             params[name] = jnp.asarray(tables.gauss)[bits]
         elif name.startswith("ln"):
-            params[name] = jnp.full(leading + (n,), 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
+            params[name] = jnp.full(shape, 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
         else:
-            params[name] = jnp.zeros(leading + (n,), jnp.int8)  # bias 0
+            params[name] = jnp.zeros(shape, jnp.int8)  # bias 0
     return params
 
 
@@ -341,14 +346,11 @@ def matmul(x, w, nz, sign, sigma_shift: int):
 
 def embed(emb, tok, nz, sign, sigma_shift: int):
     """Row `tok` of the embedding (+ sigma E[tok]), int8 at WEIGHT_FRAC."""
-    row = emb[tok].astype(i32)
-    if nz is not None and not isinstance(nz, tuple):  # --rank 0: a full (256, n) noise matrix
-        return vector(emb[tok], nz[tok], sign, sigma_shift)
-    if nz is not None:
-        a, b = nz  # a (256, r), b (n, r)
-        pert = jnp.dot(b, a[tok], preferred_element_type=i32)  # (n,) at 2 * NOISE_FRAC
-        row = row + ((sign * pert) >> (2 * NOISE_FRAC - WEIGHT_FRAC + sigma_shift))
-    return clip_int8(row)
+    if not isinstance(nz, tuple):  # noise-free, or --rank 0: a full (256, n) noise matrix
+        return vector(emb[tok], None if nz is None else nz[tok], sign, sigma_shift)
+    a, b = nz  # a (256, r), b (n, r)
+    pert = jnp.dot(b, a[tok], preferred_element_type=i32)  # (n,) at 2 * NOISE_FRAC
+    return clip_int8(emb[tok].astype(i32) + ((sign * pert) >> (2 * NOISE_FRAC - WEIGHT_FRAC + sigma_shift)))
 
 
 def layer_norm(x, gain, tables: Tables):
@@ -384,8 +386,10 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False)
     a = layer_norm(x, vec("ln2"), tables)
     hidden = jnp.maximum(mm(a, "W1"), 0)  # ReLU, (4n,)
     x = clipped_add(x, mm(hidden, "W2"))
-    seen = {"gate": (g - INT8_MAX).astype(jnp.int8), "candidate": c.astype(jnp.int8), "state": h}
-    return x, h, ({**seen, "mlp_hidden": hidden, "residual": x} if collect else {})
+    if not collect:
+        return x, h, {}
+    gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
+    return x, h, {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
 
 
 def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect: bool = False):
@@ -429,13 +433,6 @@ def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, 
 # Noise. Every entry is a pure function of (seed, parameter, layer, generation // noise_reuse,
 # pair, element) through JAX's counter-based threefry RNG: nothing is pre-sampled or stored
 # between generations. Matrices get rank-r factors A (m, r), B (n, r); vectors full-shape noise.
-
-
-def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
-    n = cfg.n_embd
-    return dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n)).get(
-        name, (n, n) if name in MATRICES else (n,)
-    )
 
 
 def pair_noise(cfg: Config, bucket, pair):
@@ -498,11 +495,11 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
     def member(nz, sign, h, x, y):
         return sequence_log2_likelihood(params, nz, sign, h, x, y, cfg, tables)
 
-    over_sides = jax.vmap(member, in_axes=(None, 0, 0, 0, 0))
-    over_pairs = jax.vmap(over_sides, in_axes=(0, None, 0, 0, 0))
-    over_repeats = jax.vmap(over_pairs, in_axes=(None, None, 0, 0, 0))
+    by_side = jax.vmap(member, in_axes=(None, 0, 0, 0, 0))  # the pair's noise, signs +1 and -1
+    by_pair = jax.vmap(by_side, in_axes=(0, None, 0, 0, 0))  # each pair its own noise
+    by_repeat = jax.vmap(by_pair, in_axes=(None, None, 0, 0, 0))  # repeats share the noise
     signs = jnp.array([1, -1], i32)
-    fitness, states = over_repeats(
+    fitness, states = by_repeat(
         noise,
         signs,
         states.reshape(layout + states.shape[1:]),
@@ -1277,6 +1274,13 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def save_dir_of(args: Args) -> Path:
+    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
+    return Path(
+        args.save_dir or Path(args.runs_dir) / (args.run_name or default_run_name(args)) / "checkpoints"
+    )
+
+
 def resume_from(args: Args, save_dir: Path, cfg: Config):
     """(params, states, generation, best score, meta) to continue from, or None for a fresh run."""
     if not args.resume:
@@ -1387,7 +1391,7 @@ def train(args: Args) -> dict:
     check_ranges(cfg)
     spec = jax.sharding.PartitionSpec
     name = args.run_name or default_run_name(args)
-    save_dir = Path(args.save_dir or Path(args.runs_dir) / name / "checkpoints")
+    save_dir = save_dir_of(args)
     checkpointer = Checkpointer(save_dir, args, writer=lead)
     if lead:
         checkpointer.check_writable()
@@ -1407,9 +1411,7 @@ def train(args: Args) -> dict:
         params, states, first, checkpointer.best, folder = resumed
         log(f"resuming from {folder} at generation {first}")
         if first >= args.num_epochs:
-            print(
-                f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}"
-            )
+            log(f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}")
             return {"params": params}
     params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
     states = global_array(np.asarray(states), mesh, spec(POP))
@@ -1581,8 +1583,7 @@ def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by the model of --resume."""
     if not args.resume:
         raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
-    name = args.run_name or default_run_name(args)
-    folder = find_resume(args.resume, Path(args.save_dir or Path(args.runs_dir) / name / "checkpoints"))[0]
+    folder = find_resume(args.resume, save_dir_of(args))[0]
     try:
         model = json.loads((folder / "meta.json").read_text())["args"]
     except (OSError, ValueError, KeyError):
@@ -1784,7 +1785,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         enable_compilation_cache(args.dir_path)
-        benchmark(args) if args.benchmark else sample(args) if args.sample else train(args)
+        if args.benchmark:
+            benchmark(args)
+        elif args.sample:
+            sample(args)
+        else:
+            train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
