@@ -327,6 +327,16 @@ def vector(p, nz, sign, sigma_shift: int):
     return clip_int8(p.astype(i32) + sign * round_shift(nz, NOISE_FRAC + sigma_shift - WEIGHT_FRAC))
 
 
+def chunked_dot(x, b):
+    """x (n,) int8 times b (n, r) int8 -> (r,) int32, as exact int32 sums over chunks of at most 32
+    entries, then a sum of the chunks. Elementwise, so it fuses on any backend; XLA:CPU splits a
+    longer reduction in two passes that store every int32 product, the chunks avoid that."""
+    n = x.shape[-1]
+    chunk = max(c for c in range(1, 33) if n % c == 0)
+    parts = jnp.sum(x.astype(i32).reshape(n // chunk, chunk, 1) * b.reshape(n // chunk, chunk, -1), axis=1)
+    return sum(parts[k] for k in range(n // chunk))
+
+
 def matmul(x, w, nz, sign, sigma_shift: int):
     """x (n,) int8 at any scale s -> x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built.
 
@@ -337,8 +347,8 @@ def matmul(x, w, nz, sign, sigma_shift: int):
     acc = jnp.dot(x, w.T, preferred_element_type=i32)
     if isinstance(nz, tuple):
         a, b = nz
-        u = jnp.dot(x, b, preferred_element_type=i32) >> NOISE_FRAC  # (r,)
-        acc = acc + (jnp.dot(a.astype(i32), sign * u) >> sigma_shift)
+        u = chunked_dot(x, b) >> NOISE_FRAC  # (r,)
+        acc = acc + (jnp.sum(a * (sign * u), axis=1) >> sigma_shift)
     elif nz is not None:  # --rank 0: a full (m, n) noise matrix E, one more matmul per member
         acc = acc + ((sign * jnp.dot(x, nz.T, preferred_element_type=i32)) >> sigma_shift)
     return divide_to_int8(acc, 2**WEIGHT_FRAC * math.sqrt(x.shape[-1]))
@@ -430,34 +440,45 @@ def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, 
 
 
 # ------------------------------------------------------------------------------------------------
-# Noise. Every entry is a pure function of (seed, parameter, layer, generation // noise_reuse,
-# pair, element) through JAX's counter-based threefry RNG: nothing is pre-sampled or stored
-# between generations. Matrices get rank-r factors A (m, r), B (n, r); vectors full-shape noise.
+# Noise. Every entry is a pure function of (seed, generation // noise_reuse, pair, offset) through
+# JAX's counter-based threefry RNG: nothing is pre-sampled or stored between generations. One
+# stream of bytes per pair is cut into every parameter's noise: matrices get rank-r factors
+# A (m, r), B (n, r); vectors (and matrices under --rank 0) full-shape noise.
+
+
+def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
+    """(parameter, shape, table) of each piece of a pair's noise, in stream order."""
+    pieces = []
+    for name in PARAM_NAMES:
+        layers = (cfg.n_layer,) * (name in BLOCK_NAMES)
+        shape = param_shape(name, cfg)
+        if name in MATRICES and cfg.rank:
+            pieces += [
+                (name, layers + (shape[0], cfg.rank), "gauss"),
+                (name, layers + (shape[1], cfg.rank), "gauss_rank"),
+            ]
+        else:
+            pieces.append((name, layers + shape, "gauss"))
+    return pieces
 
 
 def pair_noise(cfg: Config, bucket, pair):
-    """Noise of one antithetic pair: {name: (A, B) or vector}, int8 at NOISE_FRAC; block
-    parameters carry a leading n_layer axis."""
+    """Noise of one antithetic pair: {name: (A, B) or full-shape noise}, int8 at NOISE_FRAC;
+    block parameters carry a leading n_layer axis. One threefry call draws all the pair's bytes."""
     tables = make_tables(cfg.rank)
     root = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 1)  # 0: init
-
-    def leaf(key, name):
-        key = jax.random.fold_in(jax.random.fold_in(key, bucket), pair)
-        shape = param_shape(name, cfg)
-        if name not in MATRICES or cfg.rank == 0:  # full-shape noise
-            return jnp.asarray(tables.gauss)[jax.random.bits(key, shape, jnp.uint8)]
-        a_bits = jax.random.bits(jax.random.fold_in(key, 0), (shape[0], cfg.rank), jnp.uint8)
-        b_bits = jax.random.bits(jax.random.fold_in(key, 1), (shape[1], cfg.rank), jnp.uint8)
-        return jnp.asarray(tables.gauss)[a_bits], jnp.asarray(tables.gauss_rank)[b_bits]
-
-    def stacked(key, name):
-        layer_keys = jax.vmap(lambda layer: jax.random.fold_in(key, layer))(jnp.arange(cfg.n_layer))
-        return jax.vmap(leaf, in_axes=(0, None))(layer_keys, name)
-
-    return {
-        name: (stacked if name in BLOCK_NAMES else leaf)(jax.random.fold_in(root, i), name)
-        for i, name in enumerate(PARAM_NAMES)
-    }
+    key = jax.random.fold_in(jax.random.fold_in(root, bucket), pair)
+    pieces = noise_pieces(cfg)
+    total = sum(math.prod(shape) for _, shape, _ in pieces)
+    words = jax.random.bits(key, (-(-total // 4),), jnp.uint32)  # a threefry block per word, not per byte
+    bits = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+    noise, offset = {}, 0
+    for name, shape, table in pieces:
+        size = math.prod(shape)
+        values = jnp.asarray(getattr(tables, table))[bits[offset : offset + size].reshape(shape)]
+        noise[name] = noise[name] + (values,) if name in noise else (values,)
+        offset += size
+    return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
 
 
 def generation_noise(cfg: Config, generation):
@@ -487,26 +508,53 @@ def over_pairs(f):
 
 def population_fitness(params, noise, states, inputs, targets, cfg: Config):
     """Fitness (log2-likelihood sums at LL_FRAC) of M members and their new states.
-    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D."""
+    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D.
+
+    The token scan is outermost and the members are vmapped inside it, laid out (repeats, D, 2)
+    with layer axes first, so the layer scan slices its inputs without copies. What stays fixed
+    over the tokens is built once: each member's perturbed vectors."""
     tables = make_tables(cfg.rank)
     members, distinct = states.shape[0], jax.tree.leaves(noise)[0].shape[0]
     layout = (members // (2 * distinct), distinct, 2)
-
-    def member(nz, sign, h, x, y):
-        return sequence_log2_likelihood(params, nz, sign, h, x, y, cfg, tables)
-
-    by_side = jax.vmap(member, in_axes=(None, 0, 0, 0, 0))  # the pair's noise, signs +1 and -1
-    by_pair = jax.vmap(by_side, in_axes=(0, None, 0, 0, 0))  # each pair its own noise
-    by_repeat = jax.vmap(by_pair, in_axes=(None, None, 0, 0, 0))  # repeats share the noise
     signs = jnp.array([1, -1], i32)
-    fitness, states = by_repeat(
-        noise,
-        signs,
-        states.reshape(layout + states.shape[1:]),
-        inputs.reshape(layout + inputs.shape[1:]),
-        targets.reshape(layout + targets.shape[1:]),
-    )
-    return fitness.reshape(-1), states.reshape((members,) + states.shape[3:])
+
+    def layer_first(x, name):  # (D, L, ...) -> (L, D, ...) for block parameters
+        return jnp.moveaxis(x, 1, 0) if name in BLOCK_NAMES else x
+
+    member_params, member_noise, axes, noise_axes = {}, {}, {}, {}
+    for name in PARAM_NAMES:
+        block = name in BLOCK_NAMES
+        if name in MATRICES:
+            member_params[name], axes[name] = params[name], None
+            member_noise[name] = jax.tree.map(lambda x, n=name: layer_first(x, n), noise[name])
+            noise_axes[name] = 1 if block else 0
+        else:  # (2, D, [L,] n) -> ([L,] D, 2, n)
+            sided = jax.vmap(lambda s, n=name: vector(params[n], noise[n], s, cfg.sigma_shift))(signs)
+            member_params[name] = jnp.moveaxis(sided, (0, 1), (2, 1)) if block else jnp.swapaxes(sided, 0, 1)
+            member_noise[name], axes[name], noise_axes[name] = None, 1 if block else 0, None
+
+    def member(p, nz, sign, h, tok):
+        logits, h, _ = token_logits(p, nz, sign, h, tok, cfg, tables)
+        return logits, h
+
+    side_axes = {k: (None if v is None else v) for k, v in axes.items()}
+    by_side = jax.vmap(member, in_axes=(side_axes, None, 0, 1, 0), out_axes=(0, 1))
+    by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0), out_axes=(0, 1))
+    by_repeat = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0), out_axes=(0, 1))
+
+    def step(h, io):
+        tok, target = io
+        h = jnp.where((tok == 0)[None, ..., None], jnp.zeros_like(h), h)
+        logits, h = by_repeat(member_params, member_noise, signs, h, tok)
+        ll = jax.vmap(log2_likelihood, in_axes=(0, 0, None))(
+            logits.reshape(members, VOCAB), target.reshape(members), tables
+        )
+        return h, ll
+
+    h = jnp.moveaxis(states.reshape(layout + states.shape[1:]), 3, 0)  # (L, R, D, 2, n)
+    io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))
+    h, ll = jax.lax.scan(step, h, io)
+    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, 3).reshape(states.shape)
 
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
