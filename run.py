@@ -425,20 +425,6 @@ def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect:
     return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
 
 
-def sequence_log2_likelihood(params, nz, sign, h, inputs, targets, cfg: Config, tables: Tables):
-    """Sum of log2 p(target | prefix) at LL_FRAC over a sequence, and the final hidden states.
-    The state resets to zero whenever the input byte is 0 (a document separator)."""
-
-    def step(h, io):
-        tok, target = io
-        h = jnp.where(tok == 0, jnp.zeros_like(h), h)
-        logits, h, _ = token_logits(params, nz, sign, h, tok, cfg, tables)
-        return h, log2_likelihood(logits, target, tables)
-
-    h, ll = jax.lax.scan(step, h, (inputs, targets))
-    return jnp.sum(ll), h
-
-
 # ------------------------------------------------------------------------------------------------
 # Noise. Every entry is a pure function of (seed, generation // noise_reuse, pair, offset) through
 # JAX's counter-based threefry RNG: nothing is pre-sampled or stored between generations. One
@@ -493,28 +479,18 @@ def generation_noise(cfg: Config, generation):
 # (+ repeat * 2 * distinct_pairs), side 0 adds the noise and side 1 subtracts it.
 
 
-def over_pairs(f):
-    """vmap f over a leading axis of even length, as (length / 2, 2). The same computation as a
-    plain vmap, but XLA:CPU then keeps the int8 matmuls as int8 GEMMs (a plain vmap over the
-    members got them upcast to int32 and ran 5x slower)."""
-
-    def paired(*xs):
-        pairs = jax.tree.map(lambda x: x.reshape((x.shape[0] // 2, 2) + x.shape[1:]), xs)
-        out = jax.vmap(jax.vmap(f))(*pairs)
-        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
-
-    return paired
-
-
 def population_fitness(params, noise, states, inputs, targets, cfg: Config):
     """Fitness (log2-likelihood sums at LL_FRAC) of M members and their new states.
-    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D.
+    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D,
+    or None for the noise-free model (inference and validation, M even).
 
     The token scan is outermost and the members are vmapped inside it, laid out (repeats, D, 2)
     with layer axes first, so the layer scan slices its inputs without copies. What stays fixed
     over the tokens is built once: each member's perturbed vectors."""
     tables = make_tables(cfg.rank)
-    members, distinct = states.shape[0], jax.tree.leaves(noise)[0].shape[0]
+    params = jax.tree.map(jnp.asarray, params)
+    members = states.shape[0]
+    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[0]
     layout = (members // (2 * distinct), distinct, 2)
     signs = jnp.array([1, -1], i32)
 
@@ -524,11 +500,13 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
     member_params, member_noise, axes, noise_axes = {}, {}, {}, {}
     for name in PARAM_NAMES:
         block = name in BLOCK_NAMES
-        if name in MATRICES:
+        if noise is None or name in MATRICES:  # shared by every member
             member_params[name], axes[name] = params[name], None
-            member_noise[name] = jax.tree.map(lambda x, n=name: layer_first(x, n), noise[name])
-            noise_axes[name] = 1 if block else 0
-        else:  # (2, D, [L,] n) -> ([L,] D, 2, n)
+            member_noise[name] = (
+                None if noise is None else jax.tree.map(partial(layer_first, name=name), noise[name])
+            )
+            noise_axes[name] = None if noise is None else 1 if block else 0
+        else:  # perturbed vectors (2, D, [L,] n) -> ([L,] D, 2, n)
             sided = jax.vmap(lambda s, n=name: vector(params[n], noise[n], s, cfg.sigma_shift))(signs)
             member_params[name] = jnp.moveaxis(sided, (0, 1), (2, 1)) if block else jnp.swapaxes(sided, 0, 1)
             member_noise[name], axes[name], noise_axes[name] = None, 1 if block else 0, None
@@ -537,8 +515,7 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
         logits, h, _ = token_logits(p, nz, sign, h, tok, cfg, tables)
         return logits, h
 
-    side_axes = {k: (None if v is None else v) for k, v in axes.items()}
-    by_side = jax.vmap(member, in_axes=(side_axes, None, 0, 1, 0), out_axes=(0, 1))
+    by_side = jax.vmap(member, in_axes=(axes, None, 0, 1, 0), out_axes=(0, 1))
     by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0), out_axes=(0, 1))
     by_repeat = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0), out_axes=(0, 1))
 
@@ -668,7 +645,6 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     part="inference" runs the same members and tokens without noise.
     """
     spec = jax.sharding.PartitionSpec
-    tables = make_tables(cfg.rank)
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
 
@@ -677,8 +653,7 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
         tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
         nothing = jnp.zeros((), i32)
         if part == "inference":
-            member = partial(sequence_log2_likelihood, params, None, 1, cfg=cfg, tables=tables)
-            fitness, states = over_pairs(member)(states, tokens[:, :-1], tokens[:, 1:])
+            fitness, states = population_fitness(params, None, states, tokens[:, :-1], tokens[:, 1:], cfg)
             return params, states, fitness, nothing
         noise = generation_noise(cfg, generation)  # every pair's: the update needs them all
         offset = (first // 2) % cfg.distinct_pairs
@@ -703,19 +678,16 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,),
     the rows spread over the devices (R a multiple of twice their number), the result replicated."""
-    tables = make_tables(cfg.rank)
     spec = jax.sharding.PartitionSpec
 
     def evaluate(params, rows):
         h = jnp.zeros((rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
+        return population_fitness(params, None, h, rows[:, :-1], rows[:, 1:], cfg)[0]
 
-        def row(h, x, y):
-            return sequence_log2_likelihood(params, None, 1, h, x, y, cfg, tables)[0]
-
-        return over_pairs(row)(h, rows[:, :-1], rows[:, 1:])
-
-    shard = partial(jax.sharding.NamedSharding, mesh)
-    return jax.jit(evaluate, in_shardings=(shard(spec()), shard(spec(POP))), out_shardings=shard(spec()))
+    local = jax.shard_map(
+        evaluate, mesh=mesh, in_specs=(spec(), spec(POP)), out_specs=spec(POP), check_vma=False
+    )
+    return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, spec()))
 
 
 def initial_states(cfg: Config):

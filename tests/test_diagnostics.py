@@ -35,18 +35,8 @@ def test_probe_sees_the_real_activations():
     np.testing.assert_array_equal(seen["embedding"], params["emb"][rows])
     assert seen["gate"].shape == (3, 12, 2, 8) and seen["mlp_hidden"].shape == (3, 12, 2, 32)
     assert seen["logits"].shape == (3, 12, 256) and (seen["mlp_hidden"] >= 0).all()
-    tables = run.make_tables(cfg.rank)
-    _, h = run.sequence_log2_likelihood(
-        jax.tree.map(jax.numpy.asarray, params),
-        None,
-        1,
-        np.zeros((2, 8), np.int8),
-        rows[0],
-        rows[0],
-        cfg,
-        tables,
-    )
-    np.testing.assert_array_equal(seen["state"][0, -1], h)  # the state after the last byte
+    _, h = run.population_fitness(params, None, np.zeros((2, 2, 8), np.int8), rows[:2], rows[:2], cfg)
+    np.testing.assert_array_equal(seen["state"][:2, -1], h)  # the states after the last byte
 
 
 def test_parameter_shares_and_table_colours():

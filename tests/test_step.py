@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import member_log2_likelihood
 
 import run
 
@@ -94,7 +95,7 @@ def test_member_fitness_matches_a_single_member_evaluation(rank):
     for member in (0, 1, 6, 7):
         nz = jax.tree.map(lambda x, k=member // 2: x[k], noise)
         sign = 1 if member % 2 == 0 else -1
-        alone, _ = run.sequence_log2_likelihood(
+        alone, _ = member_log2_likelihood(
             params, nz, sign, states[member], tokens[member, :-1], tokens[member, 1:], c, tables
         )
         assert int(alone) == int(fitness[member])
@@ -115,18 +116,20 @@ def test_num_perturbations_shares_noise_between_members():
 
 def test_state_resets_at_document_separator_and_carries_over_otherwise():
     args, c, batch = setup()
-    tables = run.make_tables(c.rank)
     params = run.init_params(c)
-    x, y = batch[0, :-1], batch[0, 1:]
-    h0 = run.initial_states(c)[0]
-    _, h_end = run.sequence_log2_likelihood(params, None, 1, h0, x, y, c, tables)
-    # the first 3 bytes precede the separator: a different starting state changes nothing after it
-    other = jnp.full_like(h0, 50)
-    ll_a, h_a = run.sequence_log2_likelihood(params, None, 1, h0, x, y, c, tables)
-    ll_b, h_b = run.sequence_log2_likelihood(params, None, 1, other, x, y, c, tables)
-    np.testing.assert_array_equal(h_a, h_b)
-    assert int(ll_a) != int(ll_b)  # but the bytes before the separator saw the carried state
+    x, y = np.stack([batch[0, :-1]] * 2), np.stack([batch[0, 1:]] * 2)
+    assert x[0, 3] == 0 and (x[0, 4:] != 0).all()  # one separator, after 3 bytes
+    h0 = np.zeros((2, c.n_layer, c.n_embd), np.int8)
+    h0[1] = 50  # member 1 starts from another state
+    ll, h_end = run.population_fitness(params, None, h0, x, y, c)
+    # a different starting state changes nothing after the separator...
+    np.testing.assert_array_equal(h_end[0], h_end[1])
+    assert int(ll[0]) != int(ll[1])  # ...but the bytes before it saw the carried state
     assert np.any(np.asarray(h_end) != 0)
+    tables = run.make_tables(c.rank)
+    alone, h_alone = member_log2_likelihood(params, None, 1, h0[1], x[1], y[1], c, tables)
+    assert int(alone) == int(ll[1])
+    np.testing.assert_array_equal(h_alone, h_end[1])
 
 
 def test_benchmark_prints_one_table_with_every_mode(capsys):
