@@ -1696,25 +1696,28 @@ def diagnostics_table(values: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def peak_memory() -> str:
-    """Peak device memory on an accelerator, else the process's peak resident set size."""
+def peak_memory() -> tuple[float, str]:
+    """Peak device memory on an accelerator, else the process's peak resident set size: (GiB, what)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
-        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB peak device memory"
+        return stats["peak_bytes_in_use"] / 2**30, "device memory"
     import resource
 
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"
 
 
 def benchmark(args: Args) -> dict[str, float]:
-    """Time one generation of each kind on random bytes and print one table: (a) training,
-    (b) fitness only, (c) noise-free inference of the same members and tokens, (d) naive
-    full-rank ES (--rank 0) on the same model. Returns the tokens/s of each."""
+    """Time generations of each kind on random bytes and print one table: (a) training, (b)
+    fitness only, (c) noise-free inference of the same members and tokens, (d) naive full-rank ES
+    (--rank 0) on the same model. Each is compiled and run once first; then the kinds take turns,
+    one generation each, so that a slow spell of the machine hits them alike. Peak memory is read
+    after each kind's first generation, so the training row is the training program's own peak.
+    Returns the tokens/s of each."""
     check_args(args)
     mesh = population_mesh()
     spec = jax.sharding.PartitionSpec
     rng = np.random.default_rng(args.seed)
-    rows = []
+    kinds = []
     for label, part, rank in (
         ("a training", "train", args.rank),
         ("b fitness only", "fitness", args.rank),
@@ -1732,32 +1735,49 @@ def benchmark(args: Args) -> dict[str, float]:
         step = make_generation_step(cfg, mesh, part).lower(params, states, batch, np.int32(0), thresholds)
         step = step.compile()
         compile_seconds = time.time() - tick
-        params, states, *rest = jax.block_until_ready(step(params, states, batch, np.int32(0), thresholds))
-        timings = []
-        for generation in range(1, 1 + max(3, args.num_epochs)):
-            tick = time.time()
-            params, states, *rest = jax.block_until_ready(
-                step(params, states, batch, np.int32(generation), thresholds)
+        params, states, *_ = jax.block_until_ready(step(params, states, batch, np.int32(0), thresholds))
+        kinds.append(
+            dict(
+                label=label,
+                cfg=cfg,
+                step=step,
+                carry=(params, states),
+                batch=batch,
+                thresholds=thresholds,
+                compile=compile_seconds,
+                memory=peak_memory()[0],
+                seconds=[],
             )
-            timings.append(time.time() - tick)
-        seconds = float(np.median(timings))
-        rows.append((label, cfg.population * cfg.tokens / seconds, seconds, compile_seconds))
-    rate = {label[0]: tokens for label, tokens, _, _ in rows}
+        )
+    for generation in range(1, 1 + max(3, args.num_epochs)):
+        for kind in kinds:
+            tick = time.time()
+            *kind["carry"], _, _ = jax.block_until_ready(
+                kind["step"](*kind["carry"], kind["batch"], np.int32(generation), kind["thresholds"])
+            )
+            kind["seconds"].append(time.time() - tick)
+    rate = {}
     device = jax.devices()[0]
-    population = args.parallel_generations_per_gpu * mesh.size
-    print(
-        f"device: {mesh.size} x {device.platform} ({device.device_kind}); "
-        f"model {args.n_embd}D-{args.n_layer}L "
-        f"({num_parameters(make_config(args)):,} parameters); population {population}, "
-        f"{args.tokens_per_update} tokens per member, rank {args.rank}; median of {len(timings)} generations"
-    )
-    print(f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10}")
-    for label, tokens, seconds, compile_seconds in rows:
-        print(f"{label:18} {tokens:12,.0f} {seconds:13.4f} {compile_seconds:10.1f}")
+    cfg = kinds[0]["cfg"]
+    memory_kind = peak_memory()[1]
+    model = f"model {args.n_embd}D-{args.n_layer}L ({num_parameters(cfg):,} parameters)"
+    members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
+    timed = f"median of {len(kinds[0]['seconds'])} generations each, taking turns"
+    print(f"device: {mesh.size} x {device.platform} ({device.device_kind}); {model}; {members}; {timed}")
+    memory_header = f"peak {memory_kind} GiB"
+    print(f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18}")
+    for kind in kinds:
+        seconds = float(np.median(kind["seconds"]))
+        rate[kind["label"][0]] = cfg.population * cfg.tokens / seconds
+        print(
+            f"{kind['label']:18} {rate[kind['label'][0]]:12,.0f} {seconds:13.4f} {kind['compile']:10.1f} "
+            f"{kind['memory']:18.2f}"
+        )
     share = 1 - rate["a"] / rate["b"]
     print(
         f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; low-rank / full-rank ES (a/d): "
-        f"{rate['a'] / rate['d']:.1f}x; update share of a generation: {share:.1%}; {peak_memory()}"
+        f"{rate['a'] / rate['d']:.1f}x; update share of a generation: {share:.1%}; peak {memory_kind} "
+        f"of training {kinds[0]['memory']:.2f} GiB (memory column: the process's peak so far)"
     )
     return rate
 
