@@ -143,3 +143,44 @@ def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
         assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
     full = run.pair_noise(c, 0, 0)
     assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)
+
+
+@pytest.mark.parametrize("n", [256, 64, 48, 37, 8])
+@pytest.mark.parametrize("rank", [1, 3])
+def test_chunked_rank_product_is_the_exact_dot(n, rank):
+    rng = np.random.default_rng(n + rank)
+    gauss = run.make_tables(rank).gauss
+    for x, b in (
+        (rng.integers(-127, 128, n), gauss[rng.integers(0, 256, (n, rank))]),
+        (np.full(n, 127), np.full((n, rank), gauss.min())),  # the most negative sum
+        (np.full(n, -127), np.full((n, rank), gauss.min())),  # the most positive
+    ):
+        x, b = x.astype(np.int8), b.astype(np.int8)
+        want = x.astype(np.int64) @ b.astype(np.int64)
+        got = np.asarray(run.chunked_dot(jnp.asarray(x), jnp.asarray(b)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+
+
+def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
+    """The documented counter contract: byte k of pair p's stream in bucket g indexes the table of
+    noise entry k (pieces in PARAM_NAMES order, A before B), the stream being threefry's 32-bit
+    words of key (seed, 1, g, p) read as little-endian bytes."""
+    c = cfg(n_embd=8, n_layer=2, rank=2, seed=5)
+    bucket, pair = 3, 1
+    root = jax.random.fold_in(jax.random.key(c.seed, impl="threefry2x32"), 1)
+    key = jax.random.fold_in(jax.random.fold_in(root, bucket), pair)
+    pieces = run.noise_pieces(c)
+    total = sum(math.prod(shape) for _, shape, _ in pieces)
+    words = np.asarray(jax.random.bits(key, (-(-total // 4),), jnp.uint32))
+    stream = words.astype("<u4").view(np.uint8)
+    tables = run.make_tables(c.rank)
+    noise, offset = run.pair_noise(c, bucket, pair), 0
+    seen = {}
+    for name, shape, table in pieces:
+        size = math.prod(shape)
+        want = getattr(tables, table)[stream[offset : offset + size].reshape(shape)]
+        got = noise[name][seen.get(name, 0)] if isinstance(noise[name], tuple) else noise[name]
+        np.testing.assert_array_equal(got, want)
+        seen[name], offset = seen.get(name, 0) + 1, offset + size
+    assert offset == total and offset > len(run.PARAM_NAMES)
