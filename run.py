@@ -27,6 +27,7 @@ import sys
 import sysconfig
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
@@ -404,7 +405,9 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False)
 
 def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect: bool = False):
     """One byte through the model: logits (256,) int8 at LOGIT_FRAC, new states (L, n), and with
-    `collect` the int8 activations of every layer (else an empty dict)."""
+    `collect` the int8 activations of every layer (else an empty dict). The states h restart from
+    zero at byte 0, the separator before every document."""
+    h = jnp.where(tok == 0, jnp.zeros_like(h), h)
 
     def nzs(name):
         return None if nz is None else nz[name]
@@ -521,7 +524,6 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
 
     def step(h, io):
         tok, target = io
-        h = jnp.where((tok == 0)[None, ..., None], jnp.zeros_like(h), h)
         logits, h = by_repeat(member_params, member_noise, signs, h, tok)
         ll = jax.vmap(log2_likelihood, in_axes=(0, 0, None))(
             logits.reshape(members, VOCAB), target.reshape(members), tables
@@ -769,22 +771,41 @@ def corpus_files(folder: Path, suffix: str = "") -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
+@contextmanager
+def atomic_file(path: Path):
+    """Open `path` for binary writing under a hidden temporary name (.NAME.tmpPID), then fsync it
+    and rename it into place: a kill at any moment never leaves a half-written file under the real
+    name (a failed write removes its temporary)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
+
+
 def concatenate_files(files: list[Path], cache_dir: Path, name: str) -> Path:
     """Concatenate files, each prefixed by byte 0, into one cached file (streamed, never whole in
-    memory; written to a temporary name and renamed, so a kill never leaves a broken cache)."""
+    memory; written atomically, so a kill never leaves a broken cache)."""
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     digest = hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
     out = cache_dir / f"{name}-{digest}.bin"
     if out.exists():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as sink:
+    with atomic_file(out) as sink:
         for f in files:
             sink.write(b"\0")
             with open(f, "rb") as source:
                 shutil.copyfileobj(source, sink, 1 << 20)
-    os.replace(tmp, out)
     return out
 
 
@@ -793,13 +814,10 @@ MINIPILE_SPLITS = ("train", "validation", "test")
 
 
 def write_documents(texts, path: Path) -> None:
-    """Stream texts to `path` as UTF-8 bytes, each document prefixed by byte 0. Written to a
-    temporary name and renamed, so a kill never leaves a half-written file behind."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as sink:
+    """Stream texts to `path` as UTF-8 bytes, each document prefixed by byte 0 (atomically)."""
+    with atomic_file(path) as sink:
         for text in texts:
             sink.write(b"\0" + text.encode("utf-8"))
-    os.replace(tmp, path)
 
 
 def convert_splits(splits, cache_dir: Path, name: str) -> None:
@@ -985,9 +1003,7 @@ def cached_baselines(train: np.ndarray, rows: np.ndarray, cache_dir: str) -> dic
         return json.loads(path.read_text())
     values = measure_baselines(train, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(values))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(values).encode())
     return values
 
 
@@ -1011,15 +1027,6 @@ class UnreadableCheckpoint(UserError):
     """A checkpoint whose files are missing or corrupt."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
     """Write a checkpoint folder atomically (nothing happens if it already exists)."""
     if folder.exists():
@@ -1028,10 +1035,8 @@ def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, arrays in (("params.npz", params), ("states.npz", {"states": states})):
-        with open(tmp / name, "wb") as f:
+        with atomic_file(tmp / name) as f:
             np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
-            f.flush()
-            os.fsync(f.fileno())
     write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     os.replace(tmp, folder)
 
@@ -1323,7 +1328,7 @@ def resume_from(args: Args, save_dir: Path, cfg: Config):
             print(
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
-            states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
+            states = initial_states(cfg)
         return params, states, meta["generation"], meta.get("best_val_bits_per_byte", math.inf), folder
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None
@@ -1349,6 +1354,14 @@ def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
     x = np.asarray(x)
     sharding = jax.sharding.NamedSharding(mesh, spec)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def on_mesh(params, states, mesh):
+    """Parameters replicated on every device and hidden states spread over the population."""
+    spec = jax.sharding.PartitionSpec
+    return jax.tree.map(lambda p: global_array(p, mesh, spec()), params), global_array(
+        states, mesh, spec(POP)
+    )
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
@@ -1433,8 +1446,7 @@ def train(args: Args) -> dict:
         if first >= args.num_epochs:
             log(f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}")
             return {"params": params}
-    params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
-    states = global_array(np.asarray(states), mesh, spec(POP))
+    params, states = on_mesh(params, states, mesh)
     batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
     tick = time.time()
     lowered = make_generation_step(cfg, mesh).lower(params, states, batch, np.int32(first), thresholds[first])
@@ -1571,7 +1583,6 @@ def make_sampler(cfg: Config):
     tables = make_tables(cfg.rank)
 
     def step(params, h, byte):
-        h = jnp.where(byte == 0, jnp.zeros_like(h), h)
         return token_logits(params, None, 1, h, byte, cfg, tables)[:2]
 
     return jax.jit(step)
@@ -1623,7 +1634,6 @@ def make_probe(cfg: Config):
 
     def probe(params, rows):
         def step(h, tok):
-            h = jnp.where(tok == 0, jnp.zeros_like(h), h)
             _, h, seen = token_logits(params, None, 1, h, tok, cfg, tables, collect=True)
             return h, seen
 
@@ -1725,9 +1735,7 @@ def benchmark(args: Args) -> dict[str, float]:
         ("d full-rank ES", "train", 0),
     ):
         cfg = make_config(dataclasses.replace(args, rank=rank), mesh.size)
-        params = jax.jit(init_params, static_argnums=0)(cfg)
-        params = jax.tree.map(lambda p: global_array(np.asarray(p), mesh, spec()), params)
-        states = global_array(np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8), mesh, spec(POP))
+        params, states = on_mesh(jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), mesh)
         batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
         batch = global_array(batch, mesh, spec())
         thresholds = z_thresholds(args, cfg)[0]

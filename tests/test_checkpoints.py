@@ -12,10 +12,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT, cli, one_line_error
 
 import run
 
-ROOT = Path(__file__).resolve().parent.parent
 CACHE = str(ROOT / "cached_files")
 TINY = [
     "--data",
@@ -197,18 +197,6 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
     assert (tmp_path / "LATEST").read_text() == "gen-00000004"
 
 
-def cli(*flags, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *flags], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
-
-
-def one_line_error(result, message):
-    assert result.returncode == 2, result.stderr[-1000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
-
-
 def test_checkpoint_bad_input(tmp_path):
     code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", runs=tmp_path))
     assert code == 0, err[-2000:]
@@ -231,29 +219,6 @@ def test_checkpoint_bad_input(tmp_path):
     blocker.write_text("x")
     one_line_error(cli(*base, "--save_dir", str(blocker / "ckpt")), "cannot write checkpoints")
     assert (blocker.read_text(), (latest / "params.npz").read_bytes()) == ("x", b"not a zip file")
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--parallel_generations_per_gpu", "0"], "must be positive"),
-        (["--tokens_per_update", "-3"], "must be positive"),
-        (["--n_layer", "0"], "must be positive"),
-        (["--rank", "65"], "--rank"),
-        (["--rank", "-1"], "--rank"),
-        (["--sigma_shift", "-1"], "--sigma_shift"),
-        (["--alpha", "-1"], "--alpha"),
-        (["--group_size", "6"], "divide the population"),
-        (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
-        (["--no-fast_fitness", "--parallel_generations_per_gpu", "32768"], "--fast_fitness"),
-        (["--tokens_per_update", "400000"], "--tokens_per_update"),
-        (["--save_every", "-1"], "--save_every"),
-    ],
-)
-def test_bad_config_is_refused_before_anything_runs(flags, message):
-    one_line_error(
-        cli("--n_embd", "8", "--n_layer", "1", "--parallel_generations_per_gpu", "64", *flags), message
-    )
 
 
 def largest(cfg_args, key, name):
@@ -310,3 +275,13 @@ def test_z_at_the_largest_population_does_not_wrap(use_clt, fast):
     assert z == bound and 2 * bound > run.INT32_MAX  # one doubling more would be refused
     v = int(run.z_statistic(a[:, :, 0], weights, cfg)[0])
     assert v == run.accumulator_bounds(cfg)["Z of a vector entry"][0]
+
+
+def test_atomic_file_leaves_nothing_half_written(tmp_path):
+    target = tmp_path / "x.bin"
+    with pytest.raises(RuntimeError), run.atomic_file(target) as f:
+        f.write(b"half")
+        raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+    run.write_atomic(target, b"whole")
+    assert target.read_bytes() == b"whole" and list(tmp_path.iterdir()) == [target]

@@ -1,16 +1,11 @@
 """Sampling from the model's integer logits: min_p, presence penalty, greedy, reproducibility."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cli
 
 import run
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def logits_with(**bits):
@@ -84,23 +79,16 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path):
     run.save_checkpoint(
         tmp_path / "ckpt", params, run.initial_states(cfg), {"args": {"n_embd": 16, "n_layer": 1}}
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            "--sample",
-            "--resume",
-            str(tmp_path / "ckpt"),
-            "--prompt",
-            "import ",
-            "--max_new_bytes",
-            "30",
-            "--seed",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = cli(
+        "--sample",
+        "--resume",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "import ",
+        "--max_new_bytes",
+        "30",
+        "--seed",
+        "4",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")
@@ -110,7 +98,5 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path):
         )
     )
     assert result.stdout.rstrip("\n") == "import " + expected
-    missing = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "--sample"], capture_output=True, text=True, timeout=300
-    )
+    missing = cli("--sample")
     assert missing.returncode == 2 and "--sample needs --resume" in missing.stderr

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import member_log2_likelihood
+from helpers import member_log2_likelihood
 
 import run
 

@@ -4,19 +4,16 @@ import gzip
 import json
 import math
 import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import yaml
+from helpers import ROOT, cli
 
 import run
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "--n_embd",
     "8",
@@ -81,13 +78,7 @@ def test_conversion_streams_batches(tmp_path):
 
 def test_unreachable_hub_is_one_line_naming_the_alternatives(tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE="0")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "--dir_path", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = cli("--dir_path", str(tmp_path), env=env, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--data stdlib" in lines[0] and "--data PATH" in lines[0]
@@ -150,14 +141,7 @@ def test_offline_wandb_run_and_local_record(tmp_path):
         "16",
         *TINY,
     ]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *flags],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    result = cli(*flags, env=env, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "baselines on the validation bytes" in result.stdout
     assert "(unigram" in result.stdout
