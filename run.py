@@ -31,11 +31,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
+
+VALID_HINT = "(default: minipile's validation split, else the last --valid_fraction of --data)"
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,8 @@ class Args:
     # data
     data: str = "minipile"
     """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
-    valid_data: str | None = None
-    """a separate validation file or folder (default: minipile's validation split, else the end of --data)"""
+    valid_data: Annotated[str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)] = None
+    """a separate validation file or folder"""
     valid_fraction: float = 0.01
     """share of --data held out for validation when --valid_data is not given"""
     dir_path: str = str(Path(__file__).resolve().parent / "cached_files")
@@ -68,11 +71,11 @@ class Args:
 
     # EGGROLL
     alpha: float = 4.0
-    """< 1: fixed share of parameters allowed to move; > 1: schedule decaying to 2**-alpha"""
-    alpha_decay_timestep: int = 0
-    """generations over which an --alpha > 1 schedule decays (0: --num_epochs)"""
+    """<= 1: fixed share of parameters allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
+    alpha_decay_timestep: int = 1000
+    """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps decaying"""
     sigma_shift: int = 4
-    """perturbation scale sigma = 2**-sigma_shift (in weight units)"""
+    """perturbation scale sigma = 2**-sigma_shift, in [0, 6] (from 7 every bias and gain perturbation is 0)"""
     rank: int = 1
     """rank r of each matrix perturbation A B^T / sqrt(r) (0: full-rank noise, naive ES, for comparison)"""
     use_clt: bool = True
@@ -103,8 +106,10 @@ class Args:
     """log this run to Weights & Biases"""
     wandb_project: str = "egg-jax"
     """W&B project"""
-    wandb_entity: str | None = None
-    """W&B entity (team or user; default: yours)"""
+    wandb_entity: Annotated[
+        str | None, tyro.conf.arg(metavar="NAME", help_behavior_hint="(default: yours)")
+    ] = None
+    """W&B entity (team or user)"""
     tag: str = ""
     """a tag for the W&B run, also appended to the run name"""
     runs_dir: str = "runs"
@@ -151,6 +156,8 @@ class Args:
     """periodic checkpoints to keep (the best by validation is kept besides)"""
     resume: str = ""
     """continue from a checkpoint folder, a save_dir (its latest), or 'auto' (the latest in --save_dir)"""
+    allow_changes: bool = False
+    """with --resume: continue although flags that change training differ from the checkpoint's (logged)"""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,6 +165,7 @@ class Args:
 
 VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
+INT32_MAX = 2**31 - 1  # every accumulator's worst case stays at or below this (see "Integer ranges")
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
@@ -572,21 +580,23 @@ def null_std(cfg: Config) -> tuple[float, float]:
 
 
 def alpha_schedule(args: Args) -> np.ndarray:
-    """Share of parameters allowed to move at each generation (the Z-test's two-sided level)."""
+    """Share of parameters allowed to move at each generation (the Z-test's two-sided level):
+    --alpha itself if <= 1, else upstream's 1 / ((2**alpha - 1) t / T + 1) for t = 0, 1, ...,
+    T = --alpha_decay_timestep: 1 at t = 0, 2**-alpha at t = T, decaying on with no floor. It
+    depends on t only, not on --num_epochs, so a run extended on resume continues it exactly."""
     steps = np.arange(args.num_epochs, dtype=np.float64)
     if args.alpha <= 1:
         return np.full(args.num_epochs, args.alpha)
-    horizon = args.alpha_decay_timestep or args.num_epochs
-    progress = np.minimum(steps / horizon, 1.0)
-    return 1.0 / ((2.0**args.alpha - 1.0) * progress + 1.0)
+    return 1.0 / ((2.0**args.alpha - 1.0) * steps / args.alpha_decay_timestep + 1.0)
 
 
 def z_thresholds(args: Args, cfg: Config) -> np.ndarray:
-    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation."""
+    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation. A
+    level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest int32: nothing moves."""
     normal = statistics.NormalDist()
     stds = np.array(null_std(cfg))
-    z = np.array([normal.inv_cdf(1 - a / 2) for a in alpha_schedule(args)])
-    return np.minimum(np.ceil(z[:, None] * stds[None, :]), 2**31 - 1).astype(np.int32)
+    z = np.array([normal.inv_cdf(1 - a / 2) if 1 - a / 2 < 1 else math.inf for a in alpha_schedule(args)])
+    return np.minimum(np.ceil(z[:, None] * stds[None, :]), INT32_MAX).astype(np.int32)
 
 
 def z_dtype(cfg: Config):
@@ -701,7 +711,6 @@ def initial_states(cfg: Config):
 # a configuration for which one could exceed 2**31 - 1 is refused before anything runs. Fixed
 # bounds need no check: layer norm < 2**30, divide_to_int8 < 2**28, log-sum-exp s <= 2**28.
 
-INT32_MAX = 2**31 - 1
 # |log2 p(target)| at LL_FRAC: the target 254 logit steps below the top (254 * 16), plus log2 s
 # for s <= 2**28 (2**LL_FRAC per bit above EXP_FRAC, one more for the mantissa)
 LL_BOUND = 254 * 2 ** (LL_FRAC - LOGIT_FRAC) + (28 - EXP_FRAC + 1) * 2**LL_FRAC
@@ -746,6 +755,29 @@ def check_ranges(cfg: Config) -> None:
         if bound > INT32_MAX:
             raise UserError(
                 f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {flag}"
+            )
+
+
+def largest_sigma_shift() -> int:
+    """The largest --sigma_shift at which a vector perturbation can be non-zero. A vector moves by
+    round_shift(q, s) for a noise entry q (s = sigma_shift + NOISE_FRAC - WEIGHT_FRAC), which is
+    >= 1 exactly while |q| >= 2**(s - 1): up to s = bit length of the table's largest |q| (46: 6)."""
+    largest = int(np.abs(make_tables(1).gauss).max())
+    return largest.bit_length() - (NOISE_FRAC - WEIGHT_FRAC)
+
+
+def check_z_test(args: Args, cfg: Config) -> None:
+    """Refuse a fixed --alpha so small that its Z-test threshold is beyond the largest |Z| an entry
+    can reach at this population: no parameter could ever move. (A schedule starts at alpha 1.)"""
+    bounds = accumulator_bounds(cfg)
+    first = z_thresholds(dataclasses.replace(args, num_epochs=1), cfg)[0]
+    for kind, threshold in zip(("matrix", "vector"), first, strict=True):
+        reach = bounds[f"Z of a {kind} entry"][0]
+        if threshold >= reach:
+            raise UserError(
+                f"--alpha {args.alpha:g} at population {cfg.population}: the Z-test threshold {threshold:,} "
+                f"is beyond the largest |Z| a {kind} entry can reach ({reach:,}), so nothing would ever "
+                "move; use a larger --alpha or population"
             )
 
 
@@ -1015,16 +1047,68 @@ def describe_baselines(values: dict[str, float]) -> str:
 # Checkpoints. One folder per checkpoint, readable without run.py:
 #   params.npz   the int8 parameters, one array per name in PARAM_NAMES (numpy's own format)
 #   states.npz   the carried hidden states (population, n_layer, n_embd) int8
-#   meta.json    generation, validation score, format version and every flag of the run
+#   meta.json    generation, validation score, format version, every flag of the run, and the
+#                settings that decide its training (compared on resume)
 # A checkpoint is written into a hidden temporary folder and renamed into place, and the pointer
 # files LATEST and BEST are replaced by rename too: a kill at any moment leaves the previous
 # checkpoints intact and never a half-written one under a real name.
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2 adds meta["training"]; format 1 checkpoints still load
+# Flags that change what a generation computes. --num_epochs is not one: the alpha schedule, the
+# noise and the data position depend on the generation counter only, so a run may be extended.
+TRAINING_FLAGS = (
+    "seed",
+    "alpha",
+    "alpha_decay_timestep",
+    "sigma_shift",
+    "rank",
+    "use_clt",
+    "fast_fitness",
+    "noise_reuse",
+    "num_perturbations",
+    "group_size",
+    "tokens_per_update",
+    "n_layer",
+    "n_embd",
+)
+
+
+def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> str:
+    """Identity of the training bytes, cheap on any size: their length and the SHA-256 of
+    `samples` pieces of `size` bytes at evenly spaced places (the whole of a small corpus)."""
+    starts = np.linspace(0, max(len(data) - size, 0), samples).astype(np.int64)
+    digest = hashlib.sha256(np.int64(len(data)).tobytes())
+    for start in starts:
+        digest.update(np.asarray(data[start : start + size]).tobytes())
+    return f"{len(data):,} bytes #{digest.hexdigest()[:12]}"
+
+
+def training_identity(args: Args, cfg: Config, train_bytes: np.ndarray) -> dict:
+    """Everything besides the generation counter that decides how a run trains: the training flags,
+    the total population (members per device x devices: the device count alone changes nothing)
+    and the training bytes."""
+    identity = {name: getattr(args, name) for name in TRAINING_FLAGS}
+    return {**identity, "population": cfg.population, "data": data_fingerprint(train_bytes)}
+
+
+def training_changes(meta: dict, identity: dict) -> dict[str, tuple]:
+    """{setting: (the checkpoint's value, this run's)} for every setting that differs. A format 1
+    checkpoint has only its flags to compare."""
+    old = meta.get("training") or {k: v for k, v in meta.get("args", {}).items() if k in TRAINING_FLAGS}
+    return {k: (old[k], v) for k, v in identity.items() if k in old and old[k] != v}
+
+
+def describe_changes(changes: dict[str, tuple]) -> str:
+    names = {"population": "population", "data": "training data"}
+    return ", ".join(f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items())
 
 
 class UnreadableCheckpoint(UserError):
     """A checkpoint whose files are missing or corrupt."""
+
+    def __init__(self, folder: Path, reason: str):
+        super().__init__(f"checkpoint {folder} is unreadable ({reason}): resume from another one")
+        self.folder, self.reason = folder, reason
 
 
 def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
@@ -1041,6 +1125,14 @@ def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
     os.replace(tmp, folder)
 
 
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint folder without ever leaving part of one under a real name: renamed to
+    its hidden temporary name first (which the next start removes, should a kill cut this short)."""
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    os.replace(folder, tmp)
+    shutil.rmtree(tmp)
+
+
 def load_checkpoint(folder: Path, cfg: Config):
     """(params, states or None, meta) of a checkpoint folder, checked against this run's model.
     States come back as None when the population layout differs (they cannot carry over)."""
@@ -1051,9 +1143,7 @@ def load_checkpoint(folder: Path, cfg: Config):
         with np.load(folder / "states.npz") as f:
             states = f["states"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        raise UnreadableCheckpoint(
-            f"checkpoint {folder} is unreadable ({type(error).__name__}): resume from another one"
-        ) from None
+        raise UnreadableCheckpoint(folder, type(error).__name__) from None
     want = {k: (cfg.n_layer,) * (k in BLOCK_NAMES) + param_shape(k, cfg) for k in PARAM_NAMES}
     got = {k: v.shape for k, v in params.items()}
     if got != want or any(v.dtype != np.int8 for v in params.values()):
@@ -1078,13 +1168,28 @@ def find_resume(resume: str, save_dir: Path) -> list[Path]:
     if resume == "auto":
         latest = save_dir / "LATEST"
         named = [save_dir / latest.read_text().strip()] if latest.exists() else []
-        return named + checkpoints_in(save_dir)[::-1]
+        return list(dict.fromkeys(named + checkpoints_in(save_dir)[::-1]))  # each once, in order
     path = Path(resume).expanduser()
     if (path / "LATEST").exists():
         path = path / (path / "LATEST").read_text().strip()
     if not (path / "meta.json").exists():
         raise UserError(f"--resume {resume}: no checkpoint there (a folder with meta.json, or a save_dir)")
     return [path]
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Rename an unreadable checkpoint folder to corrupt-NAME (corrupt-NAME-2, ... if taken): kept
+    for inspection, never deleted, and out of the way of the save that will reuse its name.
+    None if there is no such folder or it cannot be renamed."""
+    for k in range(1, 1000):
+        target = folder.with_name(f"corrupt-{folder.name}" + (f"-{k}" if k > 1 else ""))
+        if not target.exists():
+            break
+    try:
+        folder.rename(target)
+    except OSError:
+        return None
+    return target
 
 
 def process_alive(pid: int) -> bool:
@@ -1101,8 +1206,9 @@ class Checkpointer:
     """Saves every --save_every generations, keeps the last --keep_checkpoints plus the best by
     validation bits/byte, and points LATEST and BEST at them."""
 
-    def __init__(self, save_dir: Path, args: Args, writer: bool = True):
+    def __init__(self, save_dir: Path, args: Args, training: dict | None = None, writer: bool = True):
         self.dir, self.args, self.writer = save_dir, args, writer  # only the writer touches the disk
+        self.training = training  # training_identity of the run, compared on resume
         self.best = math.inf
 
     def check_writable(self) -> None:
@@ -1129,6 +1235,7 @@ class Checkpointer:
             "val_bits_per_byte": val_bpb,
             "best_val_bits_per_byte": self.best,
             "args": args,
+            "training": self.training,
         }
 
     def save(self, generation: int, params, states, val_bpb: float) -> Path:
@@ -1138,7 +1245,7 @@ class Checkpointer:
         save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
         write_atomic(self.dir / "LATEST", folder.name.encode())
         for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)
         return folder
 
     def offer_best(self, generation: int, params, states, val_bpb: float) -> None:
@@ -1153,7 +1260,7 @@ class Checkpointer:
         write_atomic(self.dir / "BEST", folder.name.encode())
         for old in self.dir.glob("best-*"):
             if old != folder and old.is_dir():
-                shutil.rmtree(old)
+                remove_checkpoint(old)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1171,6 +1278,7 @@ def check_args(args: Args) -> None:
         "n_embd",
         "validation_batch_size",
         "group_size",
+        "alpha_decay_timestep",
     ):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
@@ -1178,7 +1286,6 @@ def check_args(args: Args) -> None:
         "validate_every",
         "noise_reuse",
         "num_perturbations",
-        "alpha_decay_timestep",
         "validation_tokens",
     ):
         if getattr(args, name) < 0:
@@ -1194,8 +1301,11 @@ def check_args(args: Args) -> None:
         raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
     if not args.alpha > 0:
         raise UserError(f"--alpha must be > 0 (a share < 1, or a schedule exponent > 1), got {args.alpha}")
-    if not 0 <= args.sigma_shift <= 15:
-        raise UserError(f"--sigma_shift must be in [0, 15], got {args.sigma_shift}")
+    if not 0 <= args.sigma_shift <= largest_sigma_shift():
+        raise UserError(
+            f"--sigma_shift must be in [0, {largest_sigma_shift()}], got {args.sigma_shift}: from "
+            f"{largest_sigma_shift() + 1} on every bias and gain perturbation rounds to 0 (nothing to select)"
+        )
     if not 0 <= args.rank <= 64:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
@@ -1306,8 +1416,18 @@ def save_dir_of(args: Args) -> Path:
     )
 
 
-def resume_from(args: Args, save_dir: Path, cfg: Config):
-    """(params, states, generation, best score, meta) to continue from, or None for a fresh run."""
+class Resumed(NamedTuple):
+    params: dict
+    states: np.ndarray
+    generation: int
+    best: float  # best validation bits/byte so far
+    folder: Path
+    changes: dict  # training_changes accepted with --allow_changes (empty otherwise)
+
+
+def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer: bool) -> Resumed | None:
+    """The checkpoint to continue from, or None for a fresh run. Reads only, except that the writer
+    sets aside a checkpoint that --resume auto found unreadable and points LATEST at the one used."""
     if not args.resume:
         if checkpoints_in(save_dir) or (save_dir / "LATEST").exists():
             raise UserError(
@@ -1322,14 +1442,25 @@ def resume_from(args: Args, save_dir: Path, cfg: Config):
         except UnreadableCheckpoint as error:
             if args.resume != "auto" or i == len(candidates) - 1:
                 raise
-            print(f"warning: {error}; trying an older checkpoint")
+            aside = set_aside(folder) if writer else None
+            moved = f"; set aside as {aside.name}" if aside else ""
+            print(f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one")
             continue
+        changes = training_changes(meta, identity)
+        if changes and not args.allow_changes:
+            raise UserError(
+                f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
+                "give the checkpoint's values, or --allow_changes to continue with these"
+            )
         if states is None:
             print(
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
             states = initial_states(cfg)
-        return params, states, meta["generation"], meta.get("best_val_bits_per_byte", math.inf), folder
+        if writer and i > 0:
+            write_atomic(save_dir / "LATEST", folder.name.encode())
+        best = meta.get("best_val_bits_per_byte", math.inf)
+        return Resumed(params, states, meta["generation"], best, folder, changes)
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None
 
@@ -1422,17 +1553,20 @@ def train(args: Args) -> dict:
     mesh = population_mesh()
     cfg = make_config(args, mesh.size)
     check_ranges(cfg)
+    check_z_test(args, cfg)
     spec = jax.sharding.PartitionSpec
     name = args.run_name or default_run_name(args)
     save_dir = save_dir_of(args)
-    checkpointer = Checkpointer(save_dir, args, writer=lead)
-    if lead:
-        checkpointer.check_writable()
     log = print if lead else (lambda *a, **k: None)
-    resumed = resume_from(args, save_dir, cfg)
+    # everything that can be refused is checked before the run creates anything of its own
     train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
     valid_rows = validation_rows(valid_bytes, args)
+    identity = training_identity(args, cfg, train_bytes)
+    resumed = resume_from(args, save_dir, cfg, identity, writer=lead)
+    checkpointer = Checkpointer(save_dir, args, identity, writer=lead)
+    if lead:
+        checkpointer.check_writable()
     baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
     padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
     rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, spec(POP))
@@ -1441,8 +1575,10 @@ def train(args: Args) -> dict:
     if resumed is None:
         params, states, first = jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), 0
     else:
-        params, states, first, checkpointer.best, folder = resumed
+        params, states, first, checkpointer.best, folder, changes = resumed
         log(f"resuming from {folder} at generation {first}")
+        if changes:
+            log(f"continuing with changed settings (--allow_changes): {describe_changes(changes)}")
         if first >= args.num_epochs:
             log(f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}")
             return {"params": params}
@@ -1467,6 +1603,8 @@ def train(args: Args) -> dict:
     log(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
     summary = {f"baseline/{k}": v for k, v in baselines.items()}
     record = RunRecord(args, name, summary, first) if lead else NoRecord()
+    if resumed is not None and resumed.changes:
+        record.log({"resume/changed": describe_changes(resumed.changes)}, first)
 
     def validate(params) -> float:
         ll = np.sum(host_copy(evaluate(params, rows))[: len(valid_rows)], dtype=np.int64)
@@ -1618,7 +1756,7 @@ def sample(args: Args) -> str:
     try:
         model = json.loads((folder / "meta.json").read_text())["args"]
     except (OSError, ValueError, KeyError):
-        raise UnreadableCheckpoint(f"checkpoint {folder} is unreadable: resume from another one") from None
+        raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
     model_args = dataclasses.replace(args, n_embd=model["n_embd"], n_layer=model["n_layer"])
     cfg = make_config(model_args)
     params, _, _ = load_checkpoint(folder, cfg)
@@ -1706,97 +1844,183 @@ def diagnostics_table(values: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def peak_rss() -> float:
+    """This process's peak resident set size, GiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def peak_memory() -> tuple[float, str]:
     """Peak device memory on an accelerator, else the process's peak resident set size: (GiB, what)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 2**30, "device memory"
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"
+    return peak_rss(), "RSS"
 
 
-def benchmark(args: Args) -> dict[str, float]:
+# A bare JAX process: import jax, one jitted int8 dot. Its peak RSS is the floor under any JAX
+# program's on the same machine (0.3 GiB to 0.6 GiB seen, by CPU and JAX build).
+BARE_JAX = """
+import resource, jax, jax.numpy as jnp
+x = jnp.ones((64, 64), jnp.int8)
+jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.int32))(x).block_until_ready()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def bare_jax_rss() -> float:
+    """Peak RSS (GiB) of a bare JAX process on this machine and platform (nan if it fails)."""
+    import subprocess
+
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # beside us on a GPU
+    if jax.config.jax_platforms:
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms
+    result = subprocess.run([sys.executable, "-c", BARE_JAX], env=env, capture_output=True, text=True)
+    words = result.stdout.split()
+    return int(words[-1]) / 2**20 if result.returncode == 0 and words else math.nan
+
+
+BENCHMARK_SECONDS = 240.0  # what --benchmark without --num_epochs aims to take, start-up aside
+# members per device of two short full-rank runs that estimate (d)'s cost: it grows faster than
+# the population (at 256D-6L: 0.05 s a member at 16, 0.08 at 64, 0.11 at 256), so it is extrapolated
+# with the growth measured between the two
+FULL_RANK_PROBES = (16, 64)
+
+
+def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     """Time generations of each kind on random bytes and print one table: (a) training, (b)
     fitness only, (c) noise-free inference of the same members and tokens, (d) naive full-rank ES
     (--rank 0) on the same model. Each is compiled and run once first; then a, b and c take turns,
     one generation each, so that a slow spell of the machine hits them alike, and d runs alone.
-    Peak memory is read after each kind's first generation: the training row is its own peak.
-    Returns the tokens/s of each."""
+    Without `budget`: --num_epochs timed generations of every kind. With `budget` (seconds; main
+    gives BENCHMARK_SECONDS when --num_epochs is not on the command line): as many as fit, at least
+    3, and d only if its cost, extrapolated from two short runs (FULL_RANK_PROBES), fits; what is shortened
+    or skipped is printed with the reason. Peak memory is read after each kind's first generation,
+    and the compiled program's temporaries beside it. Returns the tokens/s of each kind timed."""
     check_args(args)
+    start = time.time()
     mesh = population_mesh()
     spec = jax.sharding.PartitionSpec
     rng = np.random.default_rng(args.seed)
-    kinds = []
-    for label, part, rank in (
-        ("a training", "train", args.rank),
-        ("b fitness only", "fitness", args.rank),
-        ("c inference", "inference", args.rank),
-        ("d full-rank ES", "train", 0),
-    ):
-        cfg = make_config(dataclasses.replace(args, rank=rank), mesh.size)
+    bare = bare_jax_rss()
+
+    def prepare(label: str, kind_args: Args, part: str) -> dict:
+        """Compile one kind ahead of time and run its first generation."""
+        cfg = make_config(kind_args, mesh.size)
         params, states = on_mesh(jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), mesh)
         batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
-        batch = global_array(batch, mesh, spec())
-        thresholds = z_thresholds(args, cfg)[0]
+        kind = dict(label=label, cfg=cfg, batch=global_array(batch, mesh, spec()), seconds=[])
+        kind["thresholds"] = z_thresholds(dataclasses.replace(kind_args, num_epochs=1), cfg)[0]
         tick = time.time()
-        step = make_generation_step(cfg, mesh, part).lower(params, states, batch, np.int32(0), thresholds)
-        step = step.compile()
-        compile_seconds = time.time() - tick
-        params, states, *_ = jax.block_until_ready(step(params, states, batch, np.int32(0), thresholds))
-        kinds.append(
-            dict(
-                label=label,
-                cfg=cfg,
-                step=step,
-                carry=(params, states),
-                batch=batch,
-                thresholds=thresholds,
-                compile=compile_seconds,
-                memory=peak_memory()[0],
-                seconds=[],
-            )
+        lowered = make_generation_step(cfg, mesh, part).lower(
+            params, states, kind["batch"], np.int32(0), kind["thresholds"]
         )
+        kind["step"] = lowered.compile()
+        kind["compile"] = time.time() - tick
+        kind["temporaries"] = getattr(kind["step"].memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+        kind["carry"] = (params, states)
+        kind["first"] = time_generation(kind, 0)
+        kind["seconds"].clear()
+        kind["memory"] = peak_memory()[0]
+        return kind
+
+    def time_generation(kind: dict, generation: int) -> float:
+        tick = time.time()
+        *kind["carry"], _, _ = jax.block_until_ready(
+            kind["step"](*kind["carry"], kind["batch"], np.int32(generation), kind["thresholds"])
+        )
+        kind["seconds"].append(time.time() - tick)
+        return kind["seconds"][-1]
+
+    kinds = [
+        prepare("a training", args, "train"),
+        prepare("b fitness only", args, "fitness"),
+        prepare("c inference", args, "inference"),
+    ]
+    full_rank = dataclasses.replace(args, rank=0)
+    cfg = kinds[0]["cfg"]
+    notes, rounds, full_rank_rounds = [], args.num_epochs, args.num_epochs
+    if budget is not None:
+        probed = {}  # population: seconds per generation
+        for members in sorted({min(m, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}):
+            probe_args = dataclasses.replace(
+                full_rank, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0
+            )
+            probe = prepare("probe", probe_args, "train")
+            probed[probe["cfg"].population] = time_generation(probe, 1)
+            del probe  # its buffers
+        (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
+        growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
+        estimate = t_large * (cfg.population / large) ** growth
+        left = budget - (time.time() - start)
+        per_round = sum(kind["first"] for kind in kinds)
+        # d gets at most half of what is left, for its first generation and the timed ones
+        full_rank_rounds = min(args.num_epochs, int(left / 2 / estimate) - 1)
+        if full_rank_rounds < 1:
+            notes.append(
+                f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured at "
+                f"population {' and '.join(map(str, probed))}, extrapolated to {cfg.population}); it needs "
+                f"a first and a timed one, more than half of the {left:.0f} s left; give --num_epochs to "
+                "run it"
+            )
+        left -= max(full_rank_rounds + 1, 0) * estimate
+        rounds = max(3, min(args.num_epochs, int(left / per_round)))
+        notes.append(
+            f"no --num_epochs: timed {rounds} generation(s) of a, b, c"
+            + (f" and {full_rank_rounds} of d" if full_rank_rounds >= 1 else "")
+            + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
+        )
+    if full_rank_rounds >= 1:
+        kinds.append(prepare("d full-rank ES", full_rank, "train"))
     # full-rank ES runs last and alone: its large buffers, allocated and freed, slow whatever follows
-    for group in (kinds[:3], kinds[3:]):
-        for generation in range(1, 1 + max(3, args.num_epochs)):
+    for group, count in ((kinds[:3], rounds), (kinds[3:], full_rank_rounds)):
+        for generation in range(1, 1 + count):
             for kind in group:
-                tick = time.time()
-                *kind["carry"], _, _ = jax.block_until_ready(
-                    kind["step"](*kind["carry"], kind["batch"], np.int32(generation), kind["thresholds"])
-                )
-                kind["seconds"].append(time.time() - tick)
+                time_generation(kind, generation)
     rate = {}
     device = jax.devices()[0]
-    cfg = kinds[0]["cfg"]
     memory_kind = peak_memory()[1]
     model = f"model {args.n_embd}D-{args.n_layer}L ({num_parameters(cfg):,} parameters)"
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
-    timed = f"median of {len(kinds[0]['seconds'])} generations each (a, b, c taking turns)"
+    timed = f"median of {rounds} generations each (a, b, c taking turns)"
     print(f"device: {mesh.size} x {device.platform} ({device.device_kind}); {model}; {members}; {timed}")
     memory_header = f"peak {memory_kind} GiB"
-    print(f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18}")
+    print(
+        f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18} {'temp MiB':>9}"
+    )
     for kind in kinds:
         seconds = float(np.median(kind["seconds"]))
         rate[kind["label"][0]] = cfg.population * cfg.tokens / seconds
         print(
             f"{kind['label']:18} {rate[kind['label'][0]]:12,.0f} {seconds:13.4f} {kind['compile']:10.1f} "
-            f"{kind['memory']:18.2f}"
+            f"{kind['memory']:18.2f} {kind['temporaries']:9,.1f}"
         )
     share = 1 - rate["a"] / rate["b"]
+    versus = f"low-rank / full-rank ES (a/d): {rate['a'] / rate['d']:.1f}x; " if "d" in rate else ""
     print(
-        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; low-rank / full-rank ES (a/d): "
-        f"{rate['a'] / rate['d']:.1f}x; update share of a generation: {share:.1%}; peak {memory_kind} "
-        f"of training {kinds[0]['memory']:.2f} GiB (memory column: the process's peak so far)"
+        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; {versus}update share of a generation: "
+        f"{share:.1%}; peak {memory_kind} of training {kinds[0]['memory']:.2f} GiB (memory column: the "
+        "process's peak so far; temp: the compiled program's own temporaries)"
     )
+    print(
+        f"peak RSS: this process {peak_rss():.2f} GiB, a bare JAX process on this machine (import, one "
+        f"jitted int8 dot) {bare:.2f} GiB"
+    )
+    for note in notes:
+        print(f"note: {note}")
     return rate
+
+
+def flag_given(argv: list[str], name: str) -> bool:
+    """Whether --name (spelt with underscores or dashes, with or without =value) is in argv."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(word.partition("=")[0] in spellings for word in argv)
 
 
 def parse_args(argv: list[str]) -> Args:
     """Args from the command line. Besides tyro's --flag / --no-flag, booleans also accept
     --flag=True|False and --flag True|False: the forms W&B sweep agents pass with ${args}."""
-    import tyro
-
     booleans = {f.name for f in dataclasses.fields(Args) if f.type in ("bool", bool)}
     out, i = [], 0
     while i < len(argv):
@@ -1812,7 +2036,7 @@ def parse_args(argv: list[str]) -> Args:
                 word = f"--{name}" if value.lower() == "true" else f"--no-{name}"
         out.append(word)
         i += 1
-    return tyro.cli(Args, args=out)
+    return tyro.cli(Args, args=out, use_underscores=True)  # --help spells flags as upstream does
 
 
 def select_platform() -> None:
@@ -1832,11 +2056,12 @@ def enable_compilation_cache(dir_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     select_platform()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
         enable_compilation_cache(args.dir_path)
         if args.benchmark:
-            benchmark(args)
+            benchmark(args, None if flag_given(argv, "num_epochs") else BENCHMARK_SECONDS)
         elif args.sample:
             sample(args)
         else:

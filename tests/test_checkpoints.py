@@ -75,29 +75,42 @@ def wait_for(predicate, timeout=240):
     raise TimeoutError
 
 
-def test_resume_after_sigkill_is_bit_identical(tmp_path):
-    flags = ["--num_epochs", "150", "--save_every", "3", "--validate_every", "50"]
-    code, _, err = finish(start(*flags, runs=tmp_path / "a"))
+LONG = ["--num_epochs", "150", "--save_every", "3", "--validate_every", "50"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final checkpoint of an uninterrupted run with LONG flags, shared by the resume tests."""
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    code, _, err = finish(start(*LONG, runs=runs))
     assert code == 0, err[-2000:]
-    full = checkpoint_dir(tmp_path / "a") / "gen-00000150"
+    return checkpoint_dir(runs) / "gen-00000150"
 
-    killed = start(*flags, runs=tmp_path / "b")
-    latest = tmp_path / "b"
 
-    def saved_at_least_6():
-        pointers = list(latest.glob("*/checkpoints/LATEST"))
-        return pointers and int(pointers[0].read_text().split("-")[1]) >= 6
+def kill_once_saved(proc, runs: Path, generation: int) -> str:
+    """SIGKILL proc once LATEST in runs names a checkpoint at `generation` or later; its stdout."""
 
-    wait_for(saved_at_least_6)
-    killed.send_signal(signal.SIGKILL)
-    finish(killed)
-    assert killed.returncode == -signal.SIGKILL
+    def saved():
+        pointers = list(runs.glob("*/checkpoints/LATEST"))
+        return pointers and int(pointers[0].read_text().split("-")[1]) >= generation
+
+    wait_for(saved)
+    proc.send_signal(signal.SIGKILL)
+    _, out, _ = finish(proc)
+    assert proc.returncode == -signal.SIGKILL
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted):
+    flags, full = LONG, uninterrupted
+
+    kill_once_saved(start(*flags, runs=tmp_path / "b"), tmp_path / "b", 6)
     saved = sorted(p.name for p in checkpoint_dir(tmp_path / "b").glob("gen-*"))
     assert saved[-1] < "gen-00000150"  # a save cut short may leave a hidden .gen-*.tmpPID folder
 
     code, out, err = finish(start(*flags, "--resume", "auto", runs=tmp_path / "b"))
     assert code == 0, err[-2000:]
-    assert "resuming from" in out
+    assert f"resuming from {checkpoint_dir(tmp_path / 'b') / saved[-1]}" in out  # the latest one
     assert not list(checkpoint_dir(tmp_path / "b").glob(".*tmp*"))  # leftovers of the kill removed
     resumed = checkpoint_dir(tmp_path / "b") / "gen-00000150"
     print("uninterrupted", params_hash(full), "resumed", params_hash(resumed), "killed after", saved[-1])
@@ -108,6 +121,75 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
         json.loads(x) for x in (tmp_path / "b").glob("*/metrics.jsonl").__next__().read_text().splitlines()
     ]
     assert [x["generation"] for x in lines] == list(range(1, 151))  # no duplicated generations
+
+
+def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_path, uninterrupted):
+    """Corrupt the latest checkpoint, resume, kill, resume again: the same parameters as a run
+    never interrupted, and the corrupt folder kept aside, shadowing no later save."""
+    runs = tmp_path / "b"
+    code, _, err = finish(start("--num_epochs", "6", "--save_every", "3", runs=runs))
+    assert code == 0, err[-2000:]
+    folder = checkpoint_dir(runs)
+    (folder / "gen-00000006" / "params.npz").write_bytes(b"not a zip file")
+    out = kill_once_saved(start(*LONG, "--resume", "auto", runs=runs), runs, 9)
+    assert out.count("unreadable") == 1  # tried once, not again from the folder listing
+    assert "set aside as corrupt-gen-00000006" in out and f"resuming from {folder / 'gen-00000003'}" in out
+    assert (folder / "corrupt-gen-00000006" / "params.npz").read_bytes() == b"not a zip file"
+    for saved in run.checkpoints_in(folder):  # gen-00000006 saved again: the corrupt one shadowed nothing
+        params_hash(saved)
+    assert (folder / (folder / "LATEST").read_text()).is_dir()
+    code, out, err = finish(start(*LONG, "--resume", "auto", runs=runs))
+    assert code == 0 and "unreadable" not in out, err[-2000:]
+    assert params_hash(folder / "gen-00000150") == params_hash(uninterrupted)
+
+
+def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path):
+    """--num_epochs 6, then --num_epochs 12 --resume auto: bit-identical to --num_epochs 12,
+    with an alpha schedule that is still decaying (T = 4) and noise and data at every generation."""
+    schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6"]
+    code, _, err = finish(start(*schedule, "--num_epochs", "12", runs=tmp_path / "a"))
+    assert code == 0, err[-2000:]
+    code, _, err = finish(start(*schedule, "--num_epochs", "6", runs=tmp_path / "b"))
+    assert code == 0, err[-2000:]
+    code, out, err = finish(start(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b"))
+    assert code == 0 and "resuming from" in out and "generation 6" in out, err[-2000:]
+    final = [checkpoint_dir(tmp_path / x) / "gen-00000012" for x in "ab"]
+    assert params_hash(final[0]) == params_hash(final[1])
+    with np.load(final[0] / "states.npz") as a, np.load(final[1] / "states.npz") as b:
+        np.testing.assert_array_equal(a["states"], b["states"])
+
+
+def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path):
+    code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path))
+    assert code == 0, err[-2000:]
+    base = [*TINY, "--runs_dir", str(tmp_path), "--run_name", "r", "--num_epochs", "6", "--resume", "auto"]
+    other = tmp_path.with_name(f"{tmp_path.name}-other.txt")  # beside the runs folder
+    other.write_bytes(b"other training bytes, not the standard library " * 2000)
+    for flags, listed in (
+        (["--alpha", "0.3", "--sigma_shift", "3"], "--alpha 0.2 -> 0.3, --sigma_shift 4 -> 3"),
+        (["--seed", "1", "--no-use_clt"], "--seed 0 -> 1, --use_clt True -> False"),
+        (
+            ["--tokens_per_update", "9", "--group_size", "8"],
+            "--group_size 4 -> 8, --tokens_per_update 8 -> 9",
+        ),
+        (["--parallel_generations_per_gpu", "32"], "population 16 -> 32"),
+        (["--data", str(other)], "training data"),
+    ):
+        result = cli(*base, *flags)
+        one_line_error(result, listed)
+        assert "--allow_changes" in result.stderr
+    assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
+    # the device count alone is no change: the same population on 2 devices resumes
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
+    assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
+    result = cli(*base, "--alpha", "0.3", "--allow_changes")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "continuing with changed settings (--allow_changes): --alpha 0.2 -> 0.3" in result.stdout
+    lines = [json.loads(x) for x in next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert {"generation": 5, "resume/changed": "--alpha 0.2 -> 0.3"} in lines
+    meta = json.loads((checkpoint_dir(tmp_path) / "gen-00000006" / "meta.json").read_text())
+    assert meta["training"]["alpha"] == 0.3 and meta["training"]["population"] == 16
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
@@ -211,14 +293,15 @@ def test_checkpoint_bad_input(tmp_path):
     (latest / "params.npz").write_bytes(b"not a zip file")
     one_line_error(cli(*base, "--num_epochs", "6", "--resume", str(latest)), "unreadable")
     result = cli(*base, "--num_epochs", "6", "--resume", "auto")
-    assert result.returncode == 0 and "trying an older checkpoint" in result.stdout, result.stderr[-1000:]
+    assert result.returncode == 0 and "trying an older one" in result.stdout, result.stderr[-1000:]
     # no checkpoint at an explicit path
     one_line_error(cli(*base, "--resume", str(tmp_path / "nothing")), "no checkpoint there")
     # an unwritable save_dir (a path below a regular file)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     one_line_error(cli(*base, "--save_dir", str(blocker / "ckpt")), "cannot write checkpoints")
-    assert (blocker.read_text(), (latest / "params.npz").read_bytes()) == ("x", b"not a zip file")
+    aside = folder / f"corrupt-{latest.name}"  # set aside by --resume auto, kept as it was
+    assert (blocker.read_text(), (aside / "params.npz").read_bytes()) == ("x", b"not a zip file")
 
 
 def largest(cfg_args, key, name):

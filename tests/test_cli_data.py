@@ -58,6 +58,21 @@ def test_upstream_flag_names_parse():
     assert (args.data, args.valid_data, args.parallel_generations_per_gpu) == ("x", "y", 64)
 
 
+def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--num_epochs", "--parallel_generations_per_gpu", "--no_use_clt", "--valid_data PATH"):
+        assert flag in text, flag
+    assert "--num-epochs" not in text and "{None}" not in text
+    (line,) = [x for x in text.splitlines() if "--valid_data PATH" in x]
+    assert "a separate validation file or folder (default: minipile's validation split, else" in line
+    dashes = run.parse_args(["--num-epochs", "5", "--no-use-clt", "--parallel-generations-per-gpu=8"])
+    underscores = run.parse_args(["--num_epochs", "5", "--no-use_clt", "--parallel_generations_per_gpu=8"])
+    assert dashes == underscores and (dashes.num_epochs, dashes.use_clt) == (5, False)
+
+
 def test_folder_corpus_is_concatenated_with_separators_and_cached(tmp_path):
     folder = tmp_path / "docs"
     (folder / "sub").mkdir(parents=True)
@@ -120,6 +135,9 @@ def test_split_batches_and_validation_rows(tmp_path):
         (["--num_epochs", "0"], "--num_epochs must be positive"),
         (["--alpha", "0"], "--alpha"),
         (["--sigma_shift", "16"], "--sigma_shift"),
+        (["--sigma_shift", "7"], "every bias and gain perturbation rounds to 0"),
+        (["--alpha_decay_timestep", "0"], "--alpha_decay_timestep must be positive"),
+        (["--alpha", "1e-70"], "nothing would ever move"),
         (["--num_perturbations", "6"], "--num_perturbations"),
         (["--data", "EMPTY"], "empty"),
         (["--data", "SHORT", "--validation_batch_size", "1"], "too short"),
@@ -144,6 +162,8 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, flags, message):
         {"EMPTY": str(tmp_path / "empty.txt"), "SHORT": str(tmp_path / "short.txt")}.get(f, f) for f in flags
     ]
     result = cli(
+        "--runs_dir",
+        str(tmp_path / "runs"),
         "--dir_path",
         str(tmp_path / "cache"),
         "--n_embd",
@@ -155,8 +175,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, flags, message):
         "--group_size",
         "2",
         *flags,
+        cwd=tmp_path,
     )
     one_line_error(result, message)
+    # refused before anything was created: no run folder, no checkpoints, no cache
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "short.txt"]
 
 
 def unigram_cross_entropy(train, rows):

@@ -184,3 +184,17 @@ def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
         np.testing.assert_array_equal(got, want)
         seen[name], offset = seen.get(name, 0) + 1, offset + size
     assert offset == total and offset > len(run.PARAM_NAMES)
+
+
+def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
+    """--sigma_shift is refused beyond the shift at which every table entry rounds to 0."""
+    table = jnp.asarray(run.make_tables(1).gauss)
+    zero = jnp.zeros(table.shape, jnp.int8)
+    largest = run.largest_sigma_shift()
+    assert largest == 6  # the table's largest |entry| is 46 < 2**6
+    for shift, perturbed in ((largest, True), (largest + 1, False)):
+        moved = np.asarray(run.vector(zero, table, 1, shift))
+        assert bool(np.any(moved != 0)) is perturbed, shift
+    run.check_args(run.Args(sigma_shift=largest))
+    with pytest.raises(run.UserError, match="rounds to 0"):
+        run.check_args(run.Args(sigma_shift=largest + 1))

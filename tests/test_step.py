@@ -1,5 +1,7 @@
 """The jitted generation step: integer only, reproducible, antithetic and shared-noise layout."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,17 +134,13 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     np.testing.assert_array_equal(h_alone, h_end[1])
 
 
+def benchmark_args(**overrides):
+    args = dict(n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8)
+    return run.Args(benchmark=True, **{**args, **overrides})
+
+
 def test_benchmark_prints_one_table_with_every_mode(capsys):
-    args = run.Args(
-        benchmark=True,
-        n_embd=8,
-        n_layer=1,
-        parallel_generations_per_gpu=16,
-        group_size=4,
-        tokens_per_update=8,
-        num_epochs=1,
-    )
-    rate = run.benchmark(args)
+    rate = run.benchmark(benchmark_args(num_epochs=2))  # --num_epochs given: exactly 2 of each
     assert set(rate) == {"a", "b", "c", "d"} and all(v > 0 for v in rate.values())
     out = capsys.readouterr().out
     for label in (
@@ -152,5 +150,22 @@ def test_benchmark_prints_one_table_with_every_mode(capsys):
         "d full-rank ES",
         "training / inference (a/c)",
         "peak RSS",
+        "temp MiB",
+        "median of 2 generations",
+        "a bare JAX process on this machine",
     ):
         assert label in out
+    assert "note:" not in out
+    bare = float(re.search(r"jitted int8 dot\) ([0-9.]+) GiB", out).group(1))
+    assert 0.05 < bare < 4
+
+
+def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
+    rate = run.benchmark(benchmark_args(), budget=0.0)  # no time at all: the least it does
+    assert set(rate) == {"a", "b", "c"}
+    out = capsys.readouterr().out
+    assert "median of 3 generations" in out and "note: d full-rank ES skipped" in out
+    assert "note: no --num_epochs: timed 3 generation(s) of a, b, c, what fits" in out
+    assert run.flag_given(["--benchmark", "--num-epochs=3"], "num_epochs")
+    assert run.flag_given(["--num_epochs", "3"], "num_epochs")
+    assert not run.flag_given(["--benchmark", "--n_embd", "8"], "num_epochs")

@@ -102,14 +102,25 @@ def test_normalised_fitness_divides_by_mean_absolute_difference():
     np.testing.assert_array_equal(run.shape_fitness(jnp.zeros(8, jnp.int32), c), 0)
 
 
-def test_alpha_schedule():
+def test_alpha_schedule_is_upstreams():
     fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
-    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=101, alpha_decay_timestep=50))
-    assert decay[0] == 1.0 and np.all(np.diff(decay) <= 0)
-    np.testing.assert_allclose(decay[50:], 2.0**-4)
-    default_horizon = run.alpha_schedule(run.Args(alpha=3.0, num_epochs=9))
-    np.testing.assert_allclose(default_horizon[-1], 1 / (7 * 8 / 9 + 1))
+    assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
+    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=2001, alpha_decay_timestep=1000))
+    want = [1 / (15 * t / 1000 + 1) for t in range(2001)]  # 1 / ((2**alpha - 1) t / T + 1)
+    np.testing.assert_allclose(decay, want, rtol=1e-15)
+    assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[2000] == 1 / 31  # no floor after T
+    # the schedule depends on the generation only: extending --num_epochs continues it exactly
+    longer = run.alpha_schedule(run.Args(alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
+    np.testing.assert_array_equal(
+        run.alpha_schedule(run.Args(alpha=3.0, num_epochs=20, alpha_decay_timestep=7)), longer[:20]
+    )
+
+
+def test_a_level_too_small_for_float64_moves_nothing():
+    args = run.Args(alpha=60.0, num_epochs=3, alpha_decay_timestep=1, parallel_generations_per_gpu=64)
+    thresholds = run.z_thresholds(args, run.make_config(args))
+    assert thresholds[0].tolist() == [0, 0] and (thresholds[2] == run.INT32_MAX).all()
 
 
 def test_thresholds_use_the_library_normal_quantile():
