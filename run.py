@@ -1557,7 +1557,7 @@ def train(args: Args) -> dict:
     spec = jax.sharding.PartitionSpec
     name = args.run_name or default_run_name(args)
     save_dir = save_dir_of(args)
-    log = print if lead else (lambda *a, **k: None)
+    log = tqdm.write if lead else (lambda *a, **k: None)  # above the progress bar, not inside it
     # everything that can be refused is checked before the run creates anything of its own
     train_bytes, valid_bytes = open_data(args)
     stream = make_stream(len(train_bytes), cfg)
