@@ -140,6 +140,8 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
     assert (folder / (folder / "LATEST").read_text()).is_dir()
     code, out, err = finish(start(*LONG, "--resume", "auto", runs=runs))
     assert code == 0 and "unreadable" not in out, err[-2000:]
+    print("uninterrupted", params_hash(uninterrupted), "corrupted, resumed, killed, resumed", end=" ")
+    print(params_hash(folder / "gen-00000150"))
     assert params_hash(folder / "gen-00000150") == params_hash(uninterrupted)
 
 
@@ -154,6 +156,7 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
     code, out, err = finish(start(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b"))
     assert code == 0 and "resuming from" in out and "generation 6" in out, err[-2000:]
     final = [checkpoint_dir(tmp_path / x) / "gen-00000012" for x in "ab"]
+    print("12 at once", params_hash(final[0]), "6 then extended to 12", params_hash(final[1]))
     assert params_hash(final[0]) == params_hash(final[1])
     with np.load(final[0] / "states.npz") as a, np.load(final[1] / "states.npz") as b:
         np.testing.assert_array_equal(a["states"], b["states"])
