@@ -176,7 +176,7 @@ MANT_BITS = 10  # log2 of the mantissa is read from a table of 2**10 int32 entri
 RECIP_BITS = 16  # layer-norm reciprocals 1/m for m in [1, 127]: real = q / 2**16 (128 int32)
 MUL_BITS = 14  # constant rescale multipliers: real = q / 2**14, q in (2**13, 2**14]
 GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed by 8 random bits
-FIT_ONE = 16  # normalised fitness: real = q / 16, clipped to int8
+FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
@@ -546,37 +546,57 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config):
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
     """One int8 score per pair from its two members' fitness: the sign of the difference
-    (--fast_fitness), or the difference / mean|difference| at FIT_ONE, clipped to int8. With
-    `axis`, the pairs are spread over that mesh axis and the mean is over all of them."""
+    (--fast_fitness), or min(floor(2**FIT_FRAC |d| / mean|d|), 127) with d's sign, exactly for every
+    int32 d, without a wider type. With `axis`, the pairs are spread over that mesh axis and the
+    mean is over all of them."""
     diff = fitness[0::2] - fitness[1::2]
     if cfg.fast_fitness:
         return jnp.sign(diff).astype(jnp.int8)
     size = jnp.abs(diff)
-    largest, total = jnp.max(size), lambda x: jnp.sum(x)
-    if axis is not None:
-        largest, total = jax.lax.pmax(largest, axis), lambda x: jax.lax.psum(jnp.sum(x), axis)
     pairs = diff.shape[0] * (cfg.devices if axis is not None else 1)
-    # shift the magnitudes so that their sum fits in int32, then take the floor mean
-    shift = jnp.maximum(0, (32 - jax.lax.clz(largest)) + pairs.bit_length() - 31)
-    mean = jnp.maximum((total(size >> shift) // pairs) << shift, 1)
-    scaled = (jnp.minimum(size, 2**23) * FIT_ONE) // mean  # < 2**27
-    return (jnp.sign(diff) * jnp.minimum(scaled, INT8_MAX)).astype(jnp.int8)
+    total = (lambda x: jax.lax.psum(jnp.sum(x), axis)) if axis is not None else jnp.sum
+    # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs): the first sum
+    # is <= max |d| and the second < pairs**2 (both bounded in accumulator_bounds)
+    mean = jnp.maximum(total(size // pairs) + total(size % pairs) // pairs, 1)
+    quotient, rest, divisor = size // mean, (size % mean).astype(jnp.uint32), mean.astype(jnp.uint32)
+    scaled = jnp.minimum(quotient, INT8_MAX >> FIT_FRAC)  # 8 or more saturates at 127 below
+    for _ in range(FIT_FRAC):  # the fraction's bits by long division: rest < divisor < 2**31
+        rest = rest * 2
+        bit = rest >= divisor
+        rest, scaled = jnp.where(bit, rest - divisor, rest), scaled * 2 + bit.astype(i32)
+    scaled = jnp.where(quotient > INT8_MAX >> FIT_FRAC, INT8_MAX, scaled)
+    return (jnp.sign(diff) * scaled).astype(jnp.int8)
+
+
+def shaped_score_rms(fast_fitness: bool) -> float:
+    """Root mean square of a pair's shaped score when fitness is unrelated to the noise: 1 for
+    signs (no ties); for min(floor(16 |d| / mean|d|), 127) with normal d, exact from the normal CDF,
+    as |d| / mean|d| = |z| sqrt(pi / 2) for a standard normal z (19.7, where the unfloored
+    16 sqrt(pi / 2) would say 20.1)."""
+    if fast_fitness:
+        return 1.0
+    cdf, width = (
+        statistics.NormalDist().cdf,
+        math.sqrt(2 / math.pi) / 2**FIT_FRAC,
+    )  # score k: |z| in [k, k+1) width
+    second = sum(k * k * 2 * (cdf((k + 1) * width) - cdf(k * width)) for k in range(INT8_MAX))
+    return math.sqrt(second + INT8_MAX**2 * 2 * (1 - cdf(INT8_MAX * width)))
 
 
 def null_std(cfg: Config) -> tuple[float, float]:
     """Standard deviation of Z for a matrix entry and a vector entry when fitness is unrelated to
-    the noise (the Z-test's null hypothesis), from the exact variances of the noise tables."""
+    the noise (the Z-test's null hypothesis), from the exact second moments of the noise tables
+    (of their signs under --no-use_clt: the few zero entries count) and of the shaped scores."""
     tables = make_tables(cfg.rank)
     pairs = cfg.population // 2
-    # RMS of the shaped fitness: 1 for signs; |d| / mean|d| has RMS sqrt(pi / 2) for normal d
-    fitness_rms = 1.0 if cfg.fast_fitness else FIT_ONE * math.sqrt(math.pi / 2)
-    if cfg.use_clt:
-        a = float(np.mean(tables.gauss.astype(np.float64) ** 2))
-        b = float(np.mean(tables.gauss_rank.astype(np.float64) ** 2))
-    else:
-        a = b = 1.0
-    vector = fitness_rms * math.sqrt(pairs * a)
-    return (fitness_rms * math.sqrt(pairs * cfg.rank * a * b) if cfg.rank else vector), vector
+
+    def second_moment(table):
+        values = table.astype(np.float64) if cfg.use_clt else np.sign(table.astype(np.float64))
+        return float(np.mean(values**2))
+
+    a, b = second_moment(tables.gauss), second_moment(tables.gauss_rank)
+    vector = shaped_score_rms(cfg.fast_fitness) * math.sqrt(pairs * a)
+    return (vector * math.sqrt(cfg.rank * b) if cfg.rank else vector), vector
 
 
 def alpha_schedule(args: Args) -> np.ndarray:
@@ -591,12 +611,14 @@ def alpha_schedule(args: Args) -> np.ndarray:
 
 
 def z_thresholds(args: Args, cfg: Config) -> np.ndarray:
-    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation. A
-    level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest int32: nothing moves."""
+    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation: the
+    floor of z_(1 - alpha/2) x null std, so that for the integer Z, |Z| > threshold exactly when
+    |Z| > z x std. A level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest
+    int32: nothing moves."""
     normal = statistics.NormalDist()
     stds = np.array(null_std(cfg))
     z = np.array([normal.inv_cdf(1 - a / 2) if 1 - a / 2 < 1 else math.inf for a in alpha_schedule(args)])
-    return np.minimum(np.ceil(z[:, None] * stds[None, :]), INT32_MAX).astype(np.int32)
+    return np.minimum(np.floor(z[:, None] * stds[None, :]), INT32_MAX).astype(np.int32)
 
 
 def z_dtype(cfg: Config):
@@ -623,18 +645,21 @@ def es_update(params, noise, scores, thresholds, cfg: Config):
     """Move each parameter by +-1 where the fitness-weighted noise Z passes the Z-test.
 
     scores: (pairs,) shaped fitness. Pairs sharing noise are summed first, so Z is one int32
-    matrix product per parameter. Returns the new parameters and the number of entries moved.
+    matrix product per parameter. Returns the new parameters and how many entries moved in each
+    tensor, each layer counted apart (so that every count fits int32; the host adds them up).
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
-    new, moved = {}, jnp.zeros((), i32)
+    new, moved = {}, []
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
         threshold = thresholds[0] if name in MATRICES else thresholds[1]
         step = jnp.sign(z) * (jnp.abs(z) > threshold)
         new[name] = clip_int8(params[name].astype(i32) + step)
-        moved = moved + jnp.sum(new[name] != params[name])
-    return new, moved
+        changed = new[name] != params[name]
+        layers = changed.shape[0] if name in BLOCK_NAMES else 1
+        moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
+    return new, jnp.concatenate(moved)
 
 
 POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
@@ -733,7 +758,8 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
         "fitness (log2-likelihood sum)": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
-        "fitness difference of a pair": (2 * LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
+        # both members' fitness lie in [-LL_BOUND T, 0]
+        "fitness difference of a pair": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
         "Z of a matrix entry": (
             pairs * score_max * z_noise,
             "a smaller --parallel_generations_per_gpu, or --fast_fitness",
@@ -742,7 +768,14 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
             pairs * score_max * (a_max if cfg.use_clt else 1),
             "a smaller --parallel_generations_per_gpu, or --fast_fitness",
         ),
-        "count of moved parameters": (num_parameters(cfg), "a smaller --n_embd or --n_layer"),
+        "sum of |pair difference| mod pairs (normalised fitness)": (
+            0 if cfg.fast_fitness else pairs * (pairs - 1),
+            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+        ),
+        "count of moved entries of one layer's tensor": (
+            max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES),
+            "a smaller --n_embd",
+        ),
     }
 
 
@@ -895,9 +928,9 @@ def load_minipile(cache_dir: str) -> dict[str, np.ndarray]:
     return {split: np.memmap(path, dtype=np.uint8, mode="r") for split, path in paths.items()}
 
 
-def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
+def load_corpus(spec: str, cache_dir: str, flag: str = "--data") -> np.ndarray:
     """Bytes of a corpus: 'stdlib', a file (raw bytes, or a uint8 .npy array) or a folder, as a
-    read-only memory map."""
+    read-only memory map. `flag` names the flag it came from in errors."""
     if spec == "stdlib":
         files = corpus_files(stdlib_folder(), ".py")
         version = f"py{sys.version_info[0]}{sys.version_info[1]}"
@@ -905,23 +938,24 @@ def load_corpus(spec: str, cache_dir: str) -> np.ndarray:
     else:
         source = Path(spec).expanduser()
         if not source.exists():
-            raise UserError(
-                f"data path {spec!r} does not exist: give a file, a folder, 'stdlib' or 'minipile'"
-            )
+            raise UserError(f"{flag} {spec}: no such path; give a file, a folder, 'stdlib' or 'minipile'")
         if source.is_dir():
             files = corpus_files(source)
             if not files:
-                raise UserError(f"data folder {spec!r} holds no files")
+                raise UserError(f"{flag} {spec}: the folder holds no files (hidden ones are skipped)")
             path = concatenate_files(files, Path(cache_dir), source.resolve().name or "root")
         else:
             path = source
     if path.stat().st_size == 0:
-        raise UserError(f"data file {spec!r} is empty: give a file with some text")
+        raise UserError(f"{flag} {spec}: the file is empty; give a file with some text")
     if path.suffix == ".npy":  # e.g. upstream nano-egg's cached_files/minipile_train.npy
-        array = np.load(path, mmap_mode="r")
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as error:
+            raise UserError(f"{flag} {spec}: not a readable .npy array ({error})") from None
         if array.dtype != np.uint8 or array.ndim != 1:
             raise UserError(
-                f"{spec!r} holds a {array.dtype} array of shape {array.shape}, not 1-D uint8 bytes"
+                f"{flag} {spec}: holds a {array.dtype} array of shape {array.shape}, not 1-D uint8 bytes"
             )
         return array
     return np.memmap(path, dtype=np.uint8, mode="r")
@@ -937,7 +971,7 @@ def open_data(args: Args) -> tuple[np.ndarray, np.ndarray]:
     else:
         train = load_corpus(args.data, args.dir_path)
     if args.valid_data is not None:
-        return train, load_corpus(args.valid_data, args.dir_path)
+        return train, load_corpus(args.valid_data, args.dir_path, "--valid_data")
     if valid is not None:
         return train, valid
     held_out = max(2 * args.validation_batch_size, int(len(train) * args.valid_fraction))
@@ -1192,6 +1226,16 @@ def set_aside(folder: Path) -> Path | None:
     return target
 
 
+def writable_folder(folder: Path, what: str) -> None:
+    """Create `folder` and write a file in it, or refuse with one line: cannot write WHAT FOLDER."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / ".write-test", b"")
+        (folder / ".write-test").unlink()
+    except OSError as error:
+        raise UserError(f"cannot write {what} {folder}: {error.strerror}") from None
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -1213,12 +1257,7 @@ class Checkpointer:
 
     def check_writable(self) -> None:
         """Fail early on an unwritable save_dir; remove what a killed save left half-written."""
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.dir / ".write-test", b"")
-            (self.dir / ".write-test").unlink()
-        except OSError as error:
-            raise UserError(f"cannot write checkpoints to --save_dir {self.dir}: {error.strerror}") from None
+        writable_folder(self.dir, "checkpoints to --save_dir")
         for tmp in self.dir.glob(".*.tmp*"):
             pid = tmp.name.rsplit(".tmp", 1)[1]
             if pid.isdigit() and not process_alive(int(pid)):
@@ -1268,9 +1307,9 @@ class Checkpointer:
 
 
 def check_args(args: Args) -> None:
-    """Refuse a bad configuration with one clear line before anything is compiled."""
+    """Refuse a bad configuration with one clear line, naming the flag, before anything is compiled."""
     p, g = args.parallel_generations_per_gpu, args.group_size
-    for name in (
+    positive = (
         "parallel_generations_per_gpu",
         "num_epochs",
         "tokens_per_update",
@@ -1279,16 +1318,26 @@ def check_args(args: Args) -> None:
         "validation_batch_size",
         "group_size",
         "alpha_decay_timestep",
-    ):
+        "keep_checkpoints",
+        "num_procs",
+    )
+    for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
-    for name in (
+    at_least_zero = (
         "validate_every",
         "noise_reuse",
         "num_perturbations",
         "validation_tokens",
-    ):
-        if getattr(args, name) < 0:
+        "log_every",
+        "save_every",
+        "sample_every",
+        "max_new_bytes",
+        "temperature",
+        "seed",
+    )
+    for name in at_least_zero:
+        if not getattr(args, name) >= 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if p % 2:
         raise UserError(f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}")
@@ -1310,14 +1359,10 @@ def check_args(args: Args) -> None:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
-    if args.log_every < 0:
-        raise UserError(f"--log_every must be >= 0, got {args.log_every}")
-    if args.temperature < 0 or not 0 <= args.min_p <= 1 or args.max_new_bytes < 0 or args.sample_every < 0:
-        raise UserError(
-            "--temperature and --max_new_bytes must be >= 0, --min_p in [0, 1], --sample_every >= 0"
-        )
-    if args.save_every < 0 or args.keep_checkpoints < 1:
-        raise UserError("--save_every must be >= 0 and --keep_checkpoints >= 1")
+    if not 0 <= args.min_p <= 1:
+        raise UserError(f"--min_p must be in [0, 1], got {args.min_p}")
+    if not 0 <= args.proc_id < args.num_procs:
+        raise UserError(f"--proc_id must be in [0, --num_procs), got {args.proc_id} of {args.num_procs}")
     check_ranges(make_config(args))
 
 
@@ -1567,6 +1612,7 @@ def train(args: Args) -> dict:
     checkpointer = Checkpointer(save_dir, args, identity, writer=lead)
     if lead:
         checkpointer.check_writable()
+        writable_folder(Path(args.runs_dir) / name, "metrics to --runs_dir")
     baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
     padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
     rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, spec(POP))
@@ -1642,7 +1688,7 @@ def train(args: Args) -> dict:
                 "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
                 "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
                 "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
-                "train/moved_fraction": int(host_copy(moved)) / num_params,
+                "train/moved_fraction": int(np.sum(host_copy(moved), dtype=np.int64)) / num_params,
                 "train/alpha": float(alphas[generation]),
                 "perf/tokens_per_s": tokens_per_generation / seconds,
                 "perf/seconds": seconds,
@@ -1671,8 +1717,9 @@ def train(args: Args) -> dict:
             stopping = stop_requested(stop)
             if last or stopping or (args.save_every and done % args.save_every == 0):
                 folder = checkpointer.save(done, *snapshot(), val_bpb)
-                if stopping:
-                    log(f"stopped by signal after generation {done}: saved {folder}")
+                if stopping:  # every process says so: they all stop after the same generation
+                    who = f"process {jax.process_index()}"
+                    tqdm.write(f"{who} stopped by signal after generation {done}: saved {folder}")
                     break
             bar.set_postfix(
                 train=f"{metrics['train/bits_per_byte']:.3f}",

@@ -1,8 +1,45 @@
-"""The tests target the CPU (several of them as several virtual CPU devices), and share one
-compilation cache, so that the many runs of the same tiny configurations compile once."""
+"""The tests target the CPU (several of them as several virtual CPU devices) and write only under
+one scratch folder, removed at the end: the compilation cache they share (so that the many runs of
+the same tiny configurations compile once) and the corpus cache (so that the standard library is
+concatenated once). A session fixture checks that the repository is left as it was found. Under
+pytest-xdist (-n 2) each worker has its own scratch folder and makes these checks itself."""
 
 import os
+import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
+import pytest
+
+SCRATCH = Path(tempfile.mkdtemp(prefix="egg-jax-tests-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="egg-jax-test-cache-"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))
+os.environ["EGG_TEST_CORPORA"] = str(SCRATCH / "corpora")  # the tests' --dir_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def repository_state() -> tuple[str, list[str]]:
+    """What git sees as changed or untracked, and every file under runs/ and cached_files/."""
+    status = ""
+    if (ROOT / ".git").exists():
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout
+    outputs = sorted(str(p) for folder in ("runs", "cached_files") for p in (ROOT / folder).rglob("*"))
+    return status, outputs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_untouched():
+    before = repository_state()
+    yield
+    assert repository_state() == before, "the tests wrote into the repository"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SCRATCH, ignore_errors=True)

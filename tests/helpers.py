@@ -1,16 +1,16 @@
-"""What several test files share: running the command line, its one-line errors, and a slow
-reference the population forward is compared against."""
+"""What several test files share: running the command line (in a new process or in this one) and
+its one-line errors."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
-
-import jax
-import jax.numpy as jnp
+from typing import NamedTuple
 
 import run
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE = os.environ["EGG_TEST_CORPORA"]  # --dir_path of the tests' runs (set by conftest.py)
 
 
 def cli(*flags, cwd=ROOT, env=None, timeout=600):
@@ -32,14 +32,20 @@ def one_line_error(result, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
 
 
-def member_log2_likelihood(params, nz, sign, h, inputs, targets, cfg, tables):
-    """One member alone, byte by byte: the sum of log2 p(target | prefix) at LL_FRAC and the final
-    hidden states (run.population_fitness does the same for a whole population at once)."""
+class Result(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
 
-    def step(h, io):
-        tok, target = io
-        logits, h, _ = run.token_logits(params, nz, sign, h, tok, cfg, tables)
-        return h, run.log2_likelihood(logits, target, tables)
 
-    h, ll = jax.lax.scan(step, h, (inputs, targets))
-    return jnp.sum(ll), h
+def in_process(capsys, *flags) -> Result:
+    """run.main(FLAGS) in this process, without a new interpreter's start-up (most of a short
+    subprocess's time is `import jax`): its exit code and what it printed."""
+    capsys.readouterr()
+    try:
+        run.main(list(flags))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    out, err = capsys.readouterr()
+    return Result(code, out, err)

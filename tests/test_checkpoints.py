@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
-from helpers import ROOT, cli, one_line_error
+from helpers import CACHE, ROOT, cli, in_process, one_line_error
 
 import run
 
-CACHE = str(ROOT / "cached_files")
 TINY = [
     "--data",
     "stdlib",
@@ -162,7 +161,7 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
         np.testing.assert_array_equal(a["states"], b["states"])
 
 
-def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path):
+def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsys):
     code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path))
     assert code == 0, err[-2000:]
     base = [*TINY, "--runs_dir", str(tmp_path), "--run_name", "r", "--num_epochs", "6", "--resume", "auto"]
@@ -176,17 +175,21 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path):
             "--group_size 4 -> 8, --tokens_per_update 8 -> 9",
         ),
         (["--parallel_generations_per_gpu", "32"], "population 16 -> 32"),
-        (["--data", str(other)], "training data"),
+        (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
+        (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
+        (["--no-fast_fitness", "--noise_reuse", "2"], "--fast_fitness True -> False, --noise_reuse 1 -> 2"),
+        (["--num_perturbations", "8"], "--num_perturbations 0 -> 8"),
     ):
-        result = cli(*base, *flags)
-        one_line_error(result, listed)
+        result = in_process(capsys, *base, *flags)
+        one_line_error(result, f"gen-00000004 was trained with other settings: {listed}")
+        assert "-> 93,060 bytes #" in result.stderr if "--data" in flags else f"{listed}; " in result.stderr
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
     assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
-    result = cli(*base, "--alpha", "0.3", "--allow_changes")
+    result = in_process(capsys, *base, "--alpha", "0.3", "--allow_changes")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "continuing with changed settings (--allow_changes): --alpha 0.2 -> 0.3" in result.stdout
     lines = [json.loads(x) for x in next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()]
@@ -195,7 +198,48 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path):
     assert meta["training"]["alpha"] == 0.3 and meta["training"]["population"] == 16
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+def test_resume_auto_with_no_checkpoint_starts_a_fresh_run(tmp_path, capsys):
+    flags = [*TINY, "--num_epochs", "3"]
+    fresh = in_process(capsys, *flags, "--runs_dir", str(tmp_path / "a"))
+    auto = in_process(capsys, *flags, "--runs_dir", str(tmp_path / "b"), "--resume", "auto")
+    assert fresh.returncode == auto.returncode == 0, auto.stderr[-2000:]
+    assert "no checkpoint in" in auto.stdout and "starting a new run" in auto.stdout
+    assert "resuming" not in auto.stdout
+    final = [checkpoint_dir(tmp_path / x) / "gen-00000003" for x in "ab"]
+    assert params_hash(final[0]) == params_hash(final[1])
+
+
+def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, capsys):
+    """End to end: a population-16 checkpoint continued at population 32 equals its parameters
+    stepped once from zero states at population 32, computed here in-process."""
+    assert in_process(capsys, *TINY, "--num_epochs", "4", "--runs_dir", str(tmp_path)).returncode == 0
+    folder = checkpoint_dir(tmp_path)
+    wider = ["--parallel_generations_per_gpu", "32", "--num_epochs", "5", "--allow_changes"]
+    result = in_process(
+        capsys, *TINY, *wider, "--runs_dir", str(tmp_path), "--save_dir", str(folder), "--resume", "auto"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "another population layout: hidden states restart at zero" in result.stdout
+    assert f"resuming from {folder / 'gen-00000004'} at generation 4" in result.stdout
+    args = run.parse_args([*TINY, *wider])
+    cfg = run.make_config(args)
+    train_bytes, _ = run.open_data(args)
+    batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
+    params, _, _ = run.load_checkpoint(folder / "gen-00000004", run.make_config(run.parse_args(TINY)))
+    step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
+    params, states, _, _ = step(
+        params, run.initial_states(cfg), batch, np.int32(4), run.z_thresholds(args, cfg)[4]
+    )
+    with np.load(folder / "gen-00000005" / "params.npz") as f:
+        for name in run.PARAM_NAMES:
+            np.testing.assert_array_equal(f[name], params[name], err_msg=name)
+    with np.load(folder / "gen-00000005" / "states.npz") as f:
+        np.testing.assert_array_equal(f["states"], states)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code):
+    """SIGTERM (what schedulers send) exits 0, SIGINT (Ctrl-C) 130, both after saving."""
     proc = start("--num_epochs", "100000", "--save_every", "0", runs=tmp_path)
     wait_for(
         lambda: (
@@ -203,11 +247,11 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
             and len(next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()) >= 3
         )
     )
-    proc.send_signal(signal.SIGTERM)
-    code, out, err = finish(proc)
-    assert code == 0, err[-2000:]
-    assert "stopped by signal" in out
+    proc.send_signal(sig)
+    returncode, out, err = finish(proc)
+    assert returncode == code, err[-2000:]
     logged = len(next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines())
+    assert f"stopped by signal after generation {logged}" in out
     folder = checkpoint_dir(tmp_path)
     latest = (folder / "LATEST").read_text()
     meta = json.loads((folder / latest / "meta.json").read_text())
@@ -282,85 +326,35 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
     assert (tmp_path / "LATEST").read_text() == "gen-00000004"
 
 
-def test_checkpoint_bad_input(tmp_path):
+def test_checkpoint_bad_input(tmp_path, capsys):
     code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", runs=tmp_path))
     assert code == 0, err[-2000:]
     folder = checkpoint_dir(tmp_path)
     base = [*TINY, "--runs_dir", str(tmp_path)]
     # a fresh run would mix with (and could overwrite) the existing checkpoints
-    one_line_error(cli(*base, "--num_epochs", "6"), "--resume auto")
+    one_line_error(in_process(capsys, *base, "--num_epochs", "6"), "--resume auto")
     # another model shape
-    one_line_error(cli(*base, "--n_embd", "16", "--resume", str(folder)), "8D-2L model; this run is 16D-2L")
+    result = in_process(capsys, *base, "--n_embd", "16", "--resume", str(folder))
+    one_line_error(result, "8D-2L model; this run is 16D-2L")
     # a corrupt checkpoint: named explicitly it is an error; with auto an older one is used
     latest = folder / (folder / "LATEST").read_text()
     (latest / "params.npz").write_bytes(b"not a zip file")
-    one_line_error(cli(*base, "--num_epochs", "6", "--resume", str(latest)), "unreadable")
-    result = cli(*base, "--num_epochs", "6", "--resume", "auto")
+    result = in_process(capsys, *base, "--num_epochs", "6", "--resume", str(latest))
+    one_line_error(result, f"checkpoint {latest} is unreadable (")
+    result = in_process(capsys, *base, "--num_epochs", "6", "--resume", "auto")
     assert result.returncode == 0 and "trying an older one" in result.stdout, result.stderr[-1000:]
+    assert f"resuming from {folder / 'gen-00000002'} at generation 2" in result.stdout
     # no checkpoint at an explicit path
-    one_line_error(cli(*base, "--resume", str(tmp_path / "nothing")), "no checkpoint there")
-    # an unwritable save_dir (a path below a regular file)
+    one_line_error(in_process(capsys, *base, "--resume", str(tmp_path / "nothing")), "no checkpoint there")
+    # an unwritable save_dir or runs_dir (a path below a regular file)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    one_line_error(cli(*base, "--save_dir", str(blocker / "ckpt")), "cannot write checkpoints")
+    result = in_process(capsys, *base, "--save_dir", str(blocker / "ckpt"))
+    one_line_error(result, "cannot write checkpoints to --save_dir")
+    result = in_process(capsys, *TINY, "--runs_dir", str(blocker / "runs"), "--save_dir", str(tmp_path / "s"))
+    one_line_error(result, "cannot write metrics to --runs_dir")
     aside = folder / f"corrupt-{latest.name}"  # set aside by --resume auto, kept as it was
     assert (blocker.read_text(), (aside / "params.npz").read_bytes()) == ("x", b"not a zip file")
-
-
-def largest(cfg_args, key, name):
-    """The largest value of Args.key (a power of two times 2) whose config passes the checks."""
-    value = 2
-    while True:
-        try:
-            run.check_ranges(run.make_config(run.Args(**{**cfg_args, key: value * 2})))
-        except run.UserError as error:
-            assert name in str(error)
-            return value
-        value *= 2
-
-
-def test_matmul_at_the_largest_width_does_not_wrap():
-    n_embd = 4096  # 4n = 16384 inputs: well inside the bound, worst-case values everywhere
-    bound = run.accumulator_bounds(run.make_config(run.Args(n_embd=n_embd)))
-    assert bound["matmul accumulator x W^T + sigma x E^T"][0] < run.INT32_MAX
-    tables = run.make_tables(1)
-    n_in = 4 * n_embd
-    for sign in (1, -1):
-        x = jnp.full(n_in, 127, jnp.int8)
-        w = jnp.full((2, n_in), 127 * sign, jnp.int8)
-        a = jnp.full((2, 1), int(np.abs(tables.gauss).max()) * sign, jnp.int8)
-        b = jnp.full((n_in, 1), int(np.abs(tables.gauss).max()), jnp.int8)
-        out = np.asarray(run.matmul(x, w, (a, b), 1, 0))
-        assert np.all(out == 127 * sign)  # a wrapped accumulator would flip the sign
-
-
-def test_fitness_sum_at_the_largest_tokens_per_update_does_not_wrap():
-    tables = run.make_tables(1)
-    worst = np.full(256, 127, np.int8)
-    worst[0] = -127
-    ll = int(run.log2_likelihood(jnp.asarray(worst), 0, tables))
-    assert -run.LL_BOUND <= ll < -254 * 16
-    tokens = largest({}, "tokens_per_update", "fitness")
-    total = jnp.sum(jnp.full(tokens, ll, jnp.int32))
-    assert int(total) == ll * tokens and 2 * run.LL_BOUND * tokens <= run.INT32_MAX
-
-
-@pytest.mark.parametrize("use_clt, fast", [(True, True), (False, True), (True, False)])
-def test_z_at_the_largest_population_does_not_wrap(use_clt, fast):
-    base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4}
-    population = largest(base, "parallel_generations_per_gpu", "Z of")
-    # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
-    # weights, so Z reaches the same worst case as population / 2 distinct pairs would
-    cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, num_perturbations=2048, **base))
-    tables = run.make_tables(1)
-    a = jnp.full((1024, 1, 1), int(np.abs(tables.gauss).max()), jnp.int8)
-    b = jnp.full((1024, 1, 1), int(np.abs(tables.gauss_rank).max()), jnp.int8)
-    weights = jnp.full(1024, (population // 2048) * (1 if fast else 127), jnp.int32)
-    z = int(run.z_statistic((a, b), weights, cfg)[0, 0])
-    bound = run.accumulator_bounds(cfg)["Z of a matrix entry"][0]
-    assert z == bound and 2 * bound > run.INT32_MAX  # one doubling more would be refused
-    v = int(run.z_statistic(a[:, :, 0], weights, cfg)[0])
-    assert v == run.accumulator_bounds(cfg)["Z of a vector entry"][0]
 
 
 def test_atomic_file_leaves_nothing_half_written(tmp_path):

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import in_process, one_line_error
 
 import run
 
@@ -74,12 +74,13 @@ def test_undecodable_bytes_are_shown_safely():
     assert run.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
 
 
-def test_sample_from_a_checkpoint_on_the_command_line(tmp_path):
+def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     args, cfg, params = model()
     run.save_checkpoint(
         tmp_path / "ckpt", params, run.initial_states(cfg), {"args": {"n_embd": 16, "n_layer": 1}}
     )
-    result = cli(
+    result = in_process(
+        capsys,
         "--sample",
         "--resume",
         str(tmp_path / "ckpt"),
@@ -98,5 +99,4 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path):
         )
     )
     assert result.stdout.rstrip("\n") == "import " + expected
-    missing = cli("--sample")
-    assert missing.returncode == 2 and "--sample needs --resume" in missing.stderr
+    one_line_error(in_process(capsys, "--sample"), "--sample needs --resume")

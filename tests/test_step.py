@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import member_log2_likelihood
+import reference
 
 import run
 
@@ -51,15 +51,23 @@ def jaxpr_dtypes(jaxpr):
     return seen
 
 
-def test_generation_step_has_no_floating_point():
-    for overrides in (dict(), dict(fast_fitness=False, use_clt=False, rank=3)):
-        args, c, batch = setup(**overrides)
-        step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
-        inputs = (run.init_params(c), run.initial_states(c), batch, np.int32(0), run.z_thresholds(args, c)[0])
-        dtypes = jaxpr_dtypes(jax.make_jaxpr(step)(*inputs).jaxpr)
-        assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, dtypes
-        hlo = step.lower(*inputs).compile().as_text()
-        assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo]
+@pytest.mark.parametrize("overrides", [{}, dict(fast_fitness=False, use_clt=False, rank=3), dict(rank=0)])
+def test_generation_step_and_validation_have_no_floating_point(overrides):
+    args, c, batch = setup(**overrides)
+    mesh = run.population_mesh(jax.devices()[:1])
+    params = run.init_params(c)
+    programs = {
+        "step": (
+            run.make_generation_step(c, mesh),
+            (params, run.initial_states(c), batch, np.int32(0), run.z_thresholds(args, c)[0]),
+        ),
+        "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
+    }
+    for name, (program, inputs) in programs.items():
+        dtypes = jaxpr_dtypes(jax.make_jaxpr(program)(*inputs).jaxpr)
+        assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, (name, dtypes)
+        hlo = program.lower(*inputs).compile().as_text()
+        assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo], name
 
 
 def run_generations(step, args, c, batch, generations=3):
@@ -83,25 +91,6 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
     np.testing.assert_array_equal(f1, f2)
     start = run.init_params(c)
     assert sum(int(np.sum(p1[k] != start[k])) for k in run.PARAM_NAMES) > 0
-
-
-@pytest.mark.parametrize("rank", [1, 0])
-def test_member_fitness_matches_a_single_member_evaluation(rank):
-    """Fitness of member 2k (+noise) and 2k+1 (-noise) equals evaluating that member alone."""
-    args, c, batch = setup(rank=rank)
-    params, states = run.init_params(c), run.initial_states(c)
-    noise = run.generation_noise(c, jnp.int32(0))
-    tokens = np.repeat(batch, c.group_size, axis=0)
-    fitness, _ = run.population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], c)
-    tables = run.make_tables(c.rank)
-    for member in (0, 1, 6, 7):
-        nz = jax.tree.map(lambda x, k=member // 2: x[k], noise)
-        sign = 1 if member % 2 == 0 else -1
-        alone, _ = member_log2_likelihood(
-            params, nz, sign, states[member], tokens[member, :-1], tokens[member, 1:], c, tables
-        )
-        assert int(alone) == int(fitness[member])
-    assert len(set(np.asarray(fitness).tolist())) > 2
 
 
 def test_num_perturbations_shares_noise_between_members():
@@ -128,8 +117,7 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     np.testing.assert_array_equal(h_end[0], h_end[1])
     assert int(ll[0]) != int(ll[1])  # ...but the bytes before it saw the carried state
     assert np.any(np.asarray(h_end) != 0)
-    tables = run.make_tables(c.rank)
-    alone, h_alone = member_log2_likelihood(params, None, 1, h0[1], x[1], y[1], c, tables)
+    alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], c.sigma_shift)
     assert int(alone) == int(ll[1])
     np.testing.assert_array_equal(h_alone, h_end[1])
 

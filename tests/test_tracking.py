@@ -10,7 +10,7 @@ import datasets
 import numpy as np
 import pytest
 import yaml
-from helpers import ROOT, cli
+from helpers import CACHE, ROOT, cli
 
 import run
 
@@ -122,7 +122,7 @@ def test_offline_wandb_run_and_local_record(tmp_path):
         "--data",
         "stdlib",
         "--dir_path",
-        str(ROOT / "cached_files"),
+        CACHE,
         "--runs_dir",
         str(tmp_path / "runs"),
         "--track",
@@ -170,6 +170,15 @@ def test_offline_wandb_run_and_local_record(tmp_path):
     for key in ("train/bits_per_byte", "val/bits_per_byte", "perf/tokens_per_s"):
         assert key.encode() in raw and json.dumps(lines[-1][key]).encode() in raw
     assert folder.name.encode() in raw and b"smoke" in raw
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("n_embd", "alpha", "wandb_project", "sample_every"):  # the run's config
+        assert key.encode() in raw and json.dumps(config[key]).encode() in raw, key
+    for name in ("unigram", "bigram"):  # the summary's baselines, as logged beside validation
+        value = lines[1][f"val/{name}_bits_per_byte"]
+        assert f"baseline/{name}".encode() in raw and json.dumps(value).encode() in raw, name
+    (table,) = (tmp_path / "wandb").glob("offline-run-*/files/media/table/samples/text_*.table.json")
+    samples = json.loads(table.read_text())
+    assert samples == {"columns": ["generation", "text"], "data": [[2, lines[1]["samples/text"]]]}
 
 
 def agent_command(sweep: dict, values: dict) -> list[str]:

@@ -1,0 +1,148 @@
+"""A slow, independent reference of the integer forward pass, written from README.org's description
+of the model and sharing no function with run.py: Python integers and numpy int64 arithmetic, one
+member and one byte at a time. Only the parameters, the noise and the bytes come from outside.
+
+Fixed-point formats (README, "The model"): weights, gains, embeddings, residual stream and
+layer-norm outputs are q / 16; noise entries q / 16 (B already divided by sqrt(rank)); the hidden
+state uses the full range (q / 127); logits are log2-probabilities at q / 16 bits; the
+log-likelihood is in bits at q / 256.
+"""
+
+import math
+
+import numpy as np
+
+BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")
+
+
+def clip8(v):
+    """Saturate to the symmetric int8 range [-127, 127] (int64 arrays or Python ints)."""
+    return np.clip(v, -127, 127)
+
+
+def round_half_away(v, k: int):
+    """v / 2**k rounded half away from zero."""
+    v = np.asarray(v, np.int64)
+    if k == 0:
+        return v
+    return np.sign(v) * ((np.abs(v) + (1 << (k - 1))) >> k)
+
+
+def rescale(acc, divisor: float):
+    """floor(acc / divisor), clipped to int8: README's rescale. A power of two is an exact floor
+    shift; otherwise divisor = 2**k c with c in [1, 2): acc is floored by 2**(k - g), g = min(k, 6)
+    guard bits, clipped to +-2**(8 + g), multiplied by round(2**(14 + k) / divisor) and floored by
+    2**(14 + g)."""
+    acc = np.asarray(acc, np.int64)
+    k = math.floor(math.log2(divisor))
+    if 2**k == divisor:
+        return clip8(acc >> k)
+    g = min(k, 6)
+    multiplier = round(2 ** (14 + k) / divisor)
+    z = np.clip(acc >> (k - g), -(2 ** (8 + g)), 2 ** (8 + g))
+    return clip8((z * multiplier) >> (14 + g))
+
+
+def perturbed_vector(p, noise, sign: int, sigma_shift: int):
+    """A bias or gain plus sign * noise / 2**sigma_shift (noise and vector both at q / 16)."""
+    p = np.asarray(p, np.int64)
+    if noise is None:
+        return p
+    return clip8(p + sign * round_half_away(noise, sigma_shift))
+
+
+def matmul(x, w, noise, sign: int, sigma_shift: int):
+    """x (W + sigma E)^T / (16 sqrt(n_in)): x W^T in int64, plus, for E = A B^T, the rank-r term
+    sign * ((x B) >> 4) A^T >> sigma_shift, or for a full E, sign * x E^T >> sigma_shift."""
+    x = np.asarray(x, np.int64)
+    acc = np.asarray(w, np.int64) @ x
+    if isinstance(noise, tuple):
+        a, b = (np.asarray(m, np.int64) for m in noise)
+        u = (x @ b) >> 4
+        acc = acc + ((sign * (a @ u)) >> sigma_shift)
+    elif noise is not None:
+        acc = acc + ((sign * (np.asarray(noise, np.int64) @ x)) >> sigma_shift)
+    return rescale(acc, 16 * math.sqrt(len(x)))
+
+
+def layer_norm(x, gain):
+    """gain * x / mean|x|: mean = floor(sum|x| / n) (README's rescale), at least 1; the product
+    times round(2**16 / mean), floored by 2**16, clipped."""
+    x = np.asarray(x, np.int64)
+    mean = max(int(rescale(np.abs(x).sum(), len(x))), 1)
+    return clip8((x * np.asarray(gain, np.int64) * round(2**16 / mean)) >> 16)
+
+
+def embed(emb, tok: int, noise, sign: int, sigma_shift: int):
+    """Row tok of the embedding, plus sign * (A[tok] B^T) >> (4 + sigma_shift) for a rank-r
+    perturbation, or the row of a full noise matrix as a vector perturbation."""
+    row = np.asarray(emb[tok], np.int64)
+    if isinstance(noise, tuple):
+        a, b = (np.asarray(m, np.int64) for m in noise)
+        return clip8(row + ((sign * (b @ a[tok])) >> (4 + sigma_shift)))
+    return perturbed_vector(row, None if noise is None else noise[tok], sign, sigma_shift)
+
+
+def log2_softmax(logits, target: int) -> int:
+    """log2 p(target) at q / 256 bits, with README's tables: d = max - logit, s = sum of
+    round(2**(20 - (d % 16) / 16)) >> (d // 16), log2 s = top bit + a 1024-entry mantissa table of
+    round(256 log2(1 + (i + 0.5) / 1024))."""
+    logits = [int(v) for v in logits]
+    top = max(logits)
+    s = 0
+    for v in logits:
+        d = top - v
+        s += round(2 ** (20 - (d % 16) / 16)) >> (d // 16)
+    e = s.bit_length() - 1
+    mantissa = (s >> (e - 10)) - 1024
+    log2_s = ((e - 20) << 8) + round(math.log2(1 + (mantissa + 0.5) / 1024) * 256)
+    return ((logits[target] - top) << 4) - log2_s
+
+
+def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
+    """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
+    {name: (A, B) or full array} (block entries with a leading layer axis), or None."""
+    h = np.zeros_like(h) if tok == 0 else np.asarray(h, np.int64).copy()
+
+    def nz(name, layer=None):
+        if noise is None:
+            return None
+        value = noise[name]
+        if layer is None:
+            return value
+        return tuple(np.asarray(m)[layer] for m in value) if isinstance(value, tuple) else value[layer]
+
+    x = embed(params["emb"], tok, nz("emb"), sign, sigma_shift)
+    for layer in range(len(h)):
+        p = {name: np.asarray(params[name])[layer] for name in BLOCK}
+
+        def vec(name, layer=layer, p=p):
+            return perturbed_vector(p[name], nz(name, layer), sign, sigma_shift)
+
+        def mm(v, name, layer=layer, p=p):
+            return matmul(v, p[name], nz(name, layer), sign, sigma_shift)
+
+        state = h[layer]
+        a = layer_norm(x, vec("ln1"))
+        g = clip8(mm(a, "Wf") + mm(state, "Uf") + vec("bf")) + 127  # the fraction g / 256 in [0, 254]
+        gated = (g * state) >> 8
+        c = clip8(mm(a, "Wh") + mm(gated, "Uh") + vec("bh"))
+        new = state + ((g * (c - state)) >> 8)
+        assert np.all(np.abs(new) <= 127)  # between the old state and the candidate
+        h[layer] = new
+        x = clip8(x + new)
+        a = layer_norm(x, vec("ln2"))
+        hidden = np.maximum(mm(a, "W1"), 0)
+        x = clip8(x + mm(hidden, "W2"))
+    x = layer_norm(x, perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift))
+    return matmul(x, params["head"], nz("head"), sign, sigma_shift), h
+
+
+def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int):
+    """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per byte)."""
+    total, every = 0, []
+    for tok, target in zip(inputs, targets, strict=True):
+        logits, h = forward(params, noise, sign, h, int(tok), sigma_shift)
+        every.append(logits)
+        total += log2_softmax(logits, int(target))
+    return total, h, np.array(every)

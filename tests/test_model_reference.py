@@ -1,0 +1,106 @@
+"""The population forward against the independent slow reference (tests/reference.py), exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+
+import run
+
+
+def random_params(cfg, rng):
+    """Parameters over the whole int8 range: typical values, with saturated entries mixed in."""
+    params = {}
+    for name in run.PARAM_NAMES:
+        shape = (cfg.n_layer,) * (name in run.BLOCK_NAMES) + run.param_shape(name, cfg)
+        if name.startswith("ln"):
+            values = rng.normal(16, 12, shape)
+        elif name in run.MATRICES:
+            values = rng.normal(0, 20, shape)
+        else:
+            values = rng.normal(0, 40, shape)
+        values = np.clip(np.round(values), -127, 127).astype(np.int8)
+        saturated = rng.random(shape) < 0.05
+        values[saturated] = rng.choice(np.array([-127, 127], np.int8), saturated.sum())
+        params[name] = values
+    return params
+
+
+def pair(noise, k):
+    return jax.tree.map(lambda x: np.asarray(x[k]), noise)
+
+
+def window(cfg, rng, members):
+    """Random states (two members saturated), bytes with separators (one as the first byte)."""
+    states = rng.integers(-127, 128, (members, cfg.n_layer, cfg.n_embd)).astype(np.int8)
+    states[0], states[1] = 127, -127
+    tokens = rng.integers(0, 256, (members, cfg.tokens + 1)).astype(np.uint8)
+    tokens[:, 4] = 0
+    tokens[2, 0] = 0
+    return states, tokens
+
+
+@pytest.mark.parametrize(
+    "n_embd, rank, sigma_shift",
+    [(16, 1, 4), (16, 3, 2), (12, 2, 0), (16, 0, 3)],  # 12: rescales by a multiply, not a shift
+)
+def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift):
+    args = run.Args(
+        n_embd=n_embd,
+        n_layer=2,
+        parallel_generations_per_gpu=8,
+        group_size=2,
+        tokens_per_update=9,
+        rank=rank,
+        sigma_shift=sigma_shift,
+    )
+    cfg = run.make_config(args)
+    rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift)
+    params = random_params(cfg, rng)
+    states, tokens = window(cfg, rng, cfg.population)
+    noise = run.generation_noise(cfg, jnp.int32(5))
+    fitness, final = run.population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg)
+    fitness, final = np.asarray(fitness), np.asarray(final)
+    for member in range(cfg.population):
+        sign = 1 if member % 2 == 0 else -1  # member 2k adds pair k's noise, 2k + 1 subtracts it
+        want, h, _ = reference.member_fitness(
+            params,
+            pair(noise, member // 2),
+            sign,
+            states[member],
+            tokens[member, :-1],
+            tokens[member, 1:],
+            sigma_shift,
+        )
+        assert int(fitness[member]) == want, member
+        np.testing.assert_array_equal(final[member], h, err_msg=str(member))
+    assert len(set(fitness.tolist())) == cfg.population  # every member saw a different model
+
+
+def test_noise_free_logits_equal_the_reference_byte_by_byte():
+    cfg = run.make_config(
+        run.Args(n_embd=16, n_layer=3, parallel_generations_per_gpu=4, tokens_per_update=12)
+    )
+    rng = np.random.default_rng(3)
+    params = random_params(cfg, rng)
+    _, tokens = window(cfg, rng, 3)
+    seen = jax.tree.map(np.asarray, run.make_probe(cfg)(params, tokens))
+    zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
+    for row in range(3):
+        _, _, logits = reference.member_fitness(
+            params, None, 1, zero, tokens[row], tokens[row], cfg.sigma_shift
+        )
+        np.testing.assert_array_equal(seen["logits"][row], logits)
+
+
+def test_reference_log_softmax_equals_run_over_the_whole_range():
+    rng = np.random.default_rng(0)
+    tables = run.make_tables(1)
+    cases = [rng.integers(-127, 128, 256) for _ in range(40)] + [np.full(256, 127), np.full(256, -127)]
+    spike = np.full(256, -127)
+    spike[9] = 127
+    for logits in [*cases, spike]:
+        for target in (0, 9, int(np.argmin(logits)), 255):
+            got = int(run.log2_likelihood(jnp.asarray(logits.astype(np.int8)), target, tables))
+            assert got == reference.log2_softmax(logits, target)
