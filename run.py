@@ -575,10 +575,8 @@ def shaped_score_rms(fast_fitness: bool) -> float:
     16 sqrt(pi / 2) would say 20.1)."""
     if fast_fitness:
         return 1.0
-    cdf, width = (
-        statistics.NormalDist().cdf,
-        math.sqrt(2 / math.pi) / 2**FIT_FRAC,
-    )  # score k: |z| in [k, k+1) width
+    cdf = statistics.NormalDist().cdf
+    width = math.sqrt(2 / math.pi) / 2**FIT_FRAC  # score k: |z| in [k width, (k + 1) width)
     second = sum(k * k * 2 * (cdf((k + 1) * width) - cdf(k * width)) for k in range(INT8_MAX))
     return math.sqrt(second + INT8_MAX**2 * 2 * (1 - cdf(INT8_MAX * width)))
 

@@ -144,6 +144,7 @@ def test_split_batches_and_validation_rows(tmp_path):
     assert len(train2) == 10240 and bytes(valid2) == b"xy" * 100
 
 
+# Written out again here, not read from run.check_args: a flag dropped from its checks must fail.
 POSITIVE = (
     "parallel_generations_per_gpu",
     "num_epochs",
@@ -218,10 +219,14 @@ def bad_input_files(folder):
     (folder / "nothing" / ".hidden").write_bytes(b"skipped")
     np.save(folder / "int32.npy", np.arange(1000, dtype=np.int32))
     (folder / "broken.npy").write_bytes(b"not an array")
-    names = {"EMPTY": "empty.txt", "SHORT": "short.txt", "FOLDER": "nothing"}
-    return {**{k: str(folder / v) for k, v in names.items()}, "INT32.npy": str(folder / "int32.npy")} | {
-        "BROKEN.npy": str(folder / "broken.npy")
+    names = {
+        "EMPTY": "empty.txt",
+        "SHORT": "short.txt",
+        "FOLDER": "nothing",
+        "INT32.npy": "int32.npy",
+        "BROKEN.npy": "broken.npy",
     }
+    return {placeholder: str(folder / name) for placeholder, name in names.items()}
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUT)

@@ -138,9 +138,9 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
         "spread": rng.integers(0, biggest, pairs),
         "small": rng.integers(0, 40, pairs),
     }
+    remainders = sum(int(d) % pairs for d in cases["remainders"])
     assert (
-        sum(int(d) % pairs for d in cases["remainders"])
-        == pairs * (pairs - 1)
+        remainders
         == bounds["sum of |pair difference| mod pairs (normalised fitness)"][0]
         == pairs * (pairs - 1)
     )
