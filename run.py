@@ -1195,15 +1195,15 @@ def checkpoints_in(save_dir: Path) -> list[Path]:
 
 
 def find_resume(resume: str, save_dir: Path) -> list[Path]:
-    """Checkpoints to try, best first: --resume PATH (a checkpoint, or a save_dir's latest) or
-    auto (the latest in save_dir, then older ones should it be unreadable)."""
+    """Checkpoints to try, best first: --resume PATH (a checkpoint, or a save_dir's newest) or
+    auto (the newest in save_dir, then older ones should it be unreadable). Newest means the
+    highest generation, not LATEST: a kill between a checkpoint's rename and LATEST's leaves
+    LATEST one save behind, and that complete checkpoint must not be skipped."""
     if resume == "auto":
-        latest = save_dir / "LATEST"
-        named = [save_dir / latest.read_text().strip()] if latest.exists() else []
-        return list(dict.fromkeys(named + checkpoints_in(save_dir)[::-1]))  # each once, in order
+        return checkpoints_in(save_dir)[::-1]
     path = Path(resume).expanduser()
-    if (path / "LATEST").exists():
-        path = path / (path / "LATEST").read_text().strip()
+    if checkpoints_in(path):
+        path = checkpoints_in(path)[-1]
     if not (path / "meta.json").exists():
         raise UserError(f"--resume {resume}: no checkpoint there (a folder with meta.json, or a save_dir)")
     return [path]

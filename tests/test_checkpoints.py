@@ -295,6 +295,19 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
     assert params_hash(tmp_path / "gen-00000001") == before
 
 
+def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path):
+    """Killed after gen-6 was renamed into place but before LATEST was: resumes take gen-6."""
+    cfg = tiny_cfg()
+    params, states = run.init_params(cfg), run.initial_states(cfg)
+    saver = run.Checkpointer(tmp_path, run.Args())
+    saver.save(3, params, states, 9.0)
+    run.save_checkpoint(tmp_path / "gen-00000006", params, states, {"generation": 6})
+    assert (tmp_path / "LATEST").read_text() == "gen-00000003"
+    assert run.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
+    assert run.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
+    assert run.find_resume(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
+
+
 def test_a_record_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
