@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,12 +86,23 @@ class Args:
     """generations that share one set of perturbations (0: one set for the whole run)"""
     num_perturbations: int = 0
     """number of distinct perturbations (even, divides the population; 0: one per member)"""
+    optimizer: Literal["ztest", "momentum", "adam"] = "ztest"
+    """update rule: 'ztest' (upstream's: move where this generation's Z passes the test), 'momentum'
+    (where a decaying sum of standardised Z does), 'adam' (that sum over a running mean of |Z|)"""
+    momentum_shift: int = 2
+    """momentum, adam: the running sum keeps 1 - 2**-shift of itself per generation, in [1, 7]"""
+    scale_shift: int = 4
+    """adam: the running mean of |Z| keeps 1 - 2**-shift of itself per generation, in [1, 7]"""
+    shared_pair_state: bool = False
+    """both members of an antithetic pair start each generation from one hidden state, their mean"""
 
     # model
     n_layer: int = 6
     """number of minGRU blocks"""
     n_embd: int = 256
     """width of the residual stream (a multiple of 4)"""
+    mlp_relu: bool = True
+    """a ReLU between the MLP's two matrices (upstream has none)"""
 
     # validation
     validate_every: int = 0
@@ -176,7 +187,11 @@ MANT_BITS = 10  # log2 of the mantissa is read from a table of 2**10 int32 entri
 RECIP_BITS = 16  # layer-norm reciprocals 1/m for m in [1, 127]: real = q / 2**16 (128 int32)
 MUL_BITS = 14  # constant rescale multipliers: real = q / 2**14, q in (2**13, 2**14]
 GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed by 8 random bits
+STATE = jnp.int16  # the update rule's per-entry state (momentum, adam)
+SCALE_MAX = 2**16 - 1  # adam's largest threshold multiplier
 FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
+U_STD_BITS = 4  # momentum, adam: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
+SCALE_FRAC = 12  # adam's threshold multipliers: real = q / 2**12, q < 2**16
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
@@ -199,6 +214,11 @@ class Config(NamedTuple):
     noise_reuse: int
     distinct_pairs: int  # pairs with their own noise; members p and p + 2 * distinct_pairs share it
     devices: int  # devices the population is spread over, parallel_generations_per_gpu each
+    optimizer: str = "ztest"
+    momentum_shift: int = 2
+    scale_shift: int = 4
+    shared_pair_state: bool = False
+    mlp_relu: bool = True
 
 
 def make_config(args: Args, devices: int = 1) -> Config:
@@ -218,6 +238,11 @@ def make_config(args: Args, devices: int = 1) -> Config:
         noise_reuse=args.noise_reuse,
         distinct_pairs=distinct // 2,
         devices=devices,
+        optimizer=args.optimizer,
+        momentum_shift=args.momentum_shift,
+        scale_shift=args.scale_shift,
+        shared_pair_state=args.shared_pair_state,
+        mlp_relu=args.mlp_relu,
     )
 
 
@@ -311,6 +336,11 @@ def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
     )
 
 
+def full_shape(name: str, cfg: Config) -> tuple[int, ...]:
+    """Shape of a parameter as stored: block parameters have a leading n_layer axis."""
+    return (cfg.n_layer,) * (name in BLOCK_NAMES) + param_shape(name, cfg)
+
+
 def init_params(cfg: Config):
     """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, 1) at
     WEIGHT_FRAC, drawn from the same quantile table as the noise (no floating point)."""
@@ -318,7 +348,7 @@ def init_params(cfg: Config):
     key = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 0)  # 1: noise
     params = {}
     for i, name in enumerate(PARAM_NAMES):
-        shape = (cfg.n_layer,) * (name in BLOCK_NAMES) + param_shape(name, cfg)
+        shape = full_shape(name, cfg)
         if name in MATRICES:
             bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
             params[name] = jnp.asarray(tables.gauss)[bits]
@@ -403,7 +433,8 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
     x = clipped_add(x, h)
     a = layer_norm(x, vec("ln2"), tables)
-    hidden = jnp.maximum(mm(a, "W1"), 0)  # ReLU, (4n,)
+    hidden = mm(a, "W1")  # (4n,)
+    hidden = jnp.maximum(hidden, 0) if cfg.mlp_relu else hidden
     x = clipped_add(x, mm(hidden, "W2"))
     if not collect:
         return x, h, {}
@@ -608,14 +639,41 @@ def alpha_schedule(args: Args) -> np.ndarray:
     return 1.0 / ((2.0**args.alpha - 1.0) * steps / args.alpha_decay_timestep + 1.0)
 
 
+def u_shifts(cfg: Config) -> tuple[int, int]:
+    """momentum, adam: the right shifts that take Z of a matrix / vector entry to u, whose null std
+    is then in [2**U_STD_BITS, 2**(U_STD_BITS + 1)) (no shift when Z's is already smaller)."""
+    return tuple(max(int(math.floor(math.log2(std))) - U_STD_BITS, 0) for std in null_std(cfg))
+
+
+def u_null_std(cfg: Config) -> np.ndarray:
+    """Null std of u = round(Z / 2**shift) per kind: Z's scaled, plus the rounding's variance 1/12
+    (none when shift = 0). The clip to +-127 is more than 4 std out and is neglected."""
+    pairs = zip(null_std(cfg), u_shifts(cfg), strict=True)
+    return np.array([math.sqrt((std / 2**k) ** 2 + (1 / 12 if k else 0)) for std, k in pairs])
+
+
+def momentum_null_std(cfg: Config) -> np.ndarray:
+    """Null std of the running sum m = rho m + u, rho = 1 - 2**-momentum_shift: u's / sqrt(1 - rho**2)
+    (u is independent from one generation to the next: every generation draws new noise)."""
+    rho = 1 - 2.0**-cfg.momentum_shift
+    return u_null_std(cfg) / math.sqrt(1 - rho**2)
+
+
 def z_thresholds(args: Args, cfg: Config) -> np.ndarray:
-    """(num_epochs, 2) int32: |Z| above which a matrix / vector entry moves, per generation: the
-    floor of z_(1 - alpha/2) x null std, so that for the integer Z, |Z| > threshold exactly when
-    |Z| > z x std. A level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest
-    int32: nothing moves."""
+    """(num_epochs, 2) int32 per generation, for matrix / vector entries: what --optimizer tests.
+    ztest: floor(z x null std of Z) for z = z_(1 - alpha/2), so that for the integer Z, |Z| >
+    threshold exactly when |Z| > z x std; momentum: the same for m. adam: the multiplier
+    K = round(z x (std m / std u) sqrt(pi / 2) 2**(SCALE_FRAC - scale_shift)) of the test
+    |m| 2**SCALE_FRAC > K v, as v / 2**scale_shift estimates E|u| = std u sqrt(2 / pi), capped at
+    2**16 - 1. A level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest int32
+    (adam: the cap): nothing moves."""
     normal = statistics.NormalDist()
-    stds = np.array(null_std(cfg))
     z = np.array([normal.inv_cdf(1 - a / 2) if 1 - a / 2 < 1 else math.inf for a in alpha_schedule(args)])
+    if cfg.optimizer == "adam":
+        ratio = momentum_null_std(cfg) / u_null_std(cfg) * math.sqrt(math.pi / 2)
+        multiplier = z[:, None] * ratio[None, :] * 2.0 ** (SCALE_FRAC - cfg.scale_shift)
+        return np.minimum(np.round(multiplier), SCALE_MAX).astype(np.int32)
+    stds = momentum_null_std(cfg) if cfg.optimizer == "momentum" else np.array(null_std(cfg))
     return np.minimum(np.floor(z[:, None] * stds[None, :]), INT32_MAX).astype(np.int32)
 
 
@@ -639,25 +697,70 @@ def z_statistic(noise, weights, cfg: Config):
     return jnp.einsum("k...,k->...", prepare(noise), weights, preferred_element_type=i32)
 
 
-def es_update(params, noise, scores, thresholds, cfg: Config):
-    """Move each parameter by +-1 where the fitness-weighted noise Z passes the Z-test.
+def optimizer_slots(cfg: Config) -> tuple[str, ...]:
+    return {"ztest": (), "momentum": ("m",), "adam": ("m", "v")}[cfg.optimizer]
+
+
+def init_optimizer(cfg: Config) -> dict:
+    """The update rule's state, int16 per parameter entry, keyed 'SLOT/NAME': m, the running sum
+    of u (momentum, adam), from 0; v, the running sum of |u| (adam), from its null mean
+    2**scale_shift E|u|. Empty for ztest."""
+    v0 = np.round(2**cfg.scale_shift * u_null_std(cfg) * math.sqrt(2 / math.pi)).astype(int)
+    return {
+        f"{slot}/{name}": jnp.full(
+            full_shape(name, cfg), 0 if slot == "m" else int(v0[int(name not in MATRICES)]), STATE
+        )
+        for slot in optimizer_slots(cfg)
+        for name in PARAM_NAMES
+    }
+
+
+def rule_step(z, m, v, threshold, shift: int, cfg: Config):
+    """(move in {-1, 0, 1}, new m, new v) of each entry of one parameter under --optimizer:
+    ztest: sign(Z) where |Z| > threshold (m and v unused);
+    momentum: u = clip(round(Z / 2**shift)), m = m - round(m / 2**momentum_shift) + u, sign(m)
+    where |m| > threshold;
+    adam: besides, v = v - round(v / 2**scale_shift) + |u|, sign(m) where |m| 2**SCALE_FRAC >
+    threshold v. Ranges: |u| <= 127, so |m| and v stay <= 127 x 2**shift <= 16256 for shifts <= 7
+    (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); |m| 2**SCALE_FRAC <
+    2**27 and threshold v < 2**16 x 2**14 (int32)."""
+    if cfg.optimizer == "ztest":
+        return jnp.sign(z) * (jnp.abs(z) > threshold), m, v
+    reach = min(INT8_MAX << shift, INT32_MAX - (1 << shift))  # rounds to 127; no int32 overflow
+    u = jnp.clip(round_shift(jnp.clip(z, -reach, reach), shift), -INT8_MAX, INT8_MAX)
+    m = m.astype(i32) - round_shift(m, cfg.momentum_shift) + u
+    if cfg.optimizer == "momentum":
+        passes = jnp.abs(m) > threshold
+    else:
+        v = v.astype(i32) - round_shift(v, cfg.scale_shift) + jnp.abs(u)
+        passes = jnp.abs(m) << SCALE_FRAC > v * threshold
+        v = v.astype(STATE)
+    return jnp.sign(m) * passes, m.astype(STATE), v
+
+
+def es_update(params, opt, noise, scores, thresholds, cfg: Config):
+    """Move each parameter by +-1 where --optimizer's test on the fitness-weighted noise Z passes.
 
     scores: (pairs,) shaped fitness. Pairs sharing noise are summed first, so Z is one int32
-    matrix product per parameter. Returns the new parameters and how many entries moved in each
-    tensor, each layer counted apart (so that every count fits int32; the host adds them up).
+    matrix product per parameter. opt: the rule's state (init_optimizer). Returns the new
+    parameters, the new state and how many entries moved in each tensor, each layer counted apart
+    (so that every count fits int32; the host adds them up).
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
-    new, moved = {}, []
+    shifts = u_shifts(cfg)
+    new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
-        threshold = thresholds[0] if name in MATRICES else thresholds[1]
-        step = jnp.sign(z) * (jnp.abs(z) > threshold)
+        kind = int(name not in MATRICES)
+        m, v = opt.get(f"m/{name}"), opt.get(f"v/{name}")
+        step, m, v = rule_step(z, m, v, thresholds[kind], shifts[kind], cfg)
+        new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
         layers = changed.shape[0] if name in BLOCK_NAMES else 1
         moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
-    return new, jnp.concatenate(moved)
+    return new, new_opt, jnp.concatenate(moved)
 
 
 POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
@@ -668,46 +771,56 @@ def population_mesh(devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices or jax.devices()), (POP,))
 
 
+def pair_mean(states):
+    """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
+    of their two hidden states, rounded half away from zero (int8: |mean| <= 127)."""
+    pairs = states.astype(i32).reshape((-1, 2) + states.shape[1:])
+    mean = round_shift(pairs[:, 0] + pairs[:, 1], 1).astype(jnp.int8)
+    return jnp.repeat(mean, 2, axis=0)
+
+
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "train"):
     """One generation as one jitted call: population fitness, then the update.
 
-    step(params, states, batch, generation, thresholds) -> (params, states, fitness, moved)
+    step(params, opt, states, batch, generation, thresholds) -> (params, opt, states, fitness, moved)
     batch: (P / group_size, T + 1) uint8, one data sequence per group of members, replicated.
     Each device evaluates its parallel_generations_per_gpu members (states and fitness are
     sharded); the one collective gathers every pair's int8 score (half a byte per member); then
     every device rebuilds all the noise from its counters and applies the identical update to
-    its replicated parameters. For --benchmark, part="fitness" stops before the update and
-    part="inference" runs the same members and tokens without noise.
+    its replicated parameters and update rule state. For --benchmark, part="fitness" stops before
+    the update and part="inference" runs the same members and tokens without noise.
     """
     spec = jax.sharding.PartitionSpec
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
 
-    def local_step(params, states, batch, generation, thresholds):
+    def local_step(params, opt, states, batch, generation, thresholds):
         first = jax.lax.axis_index(POP) * members
         tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
         nothing = jnp.zeros((), i32)
+        if cfg.shared_pair_state:
+            states = pair_mean(states)
         if part == "inference":
             fitness, states = population_fitness(params, None, states, tokens[:, :-1], tokens[:, 1:], cfg)
-            return params, states, fitness, nothing
+            return params, opt, states, fitness, nothing
         noise = generation_noise(cfg, generation)  # every pair's: the update needs them all
         offset = (first // 2) % cfg.distinct_pairs
         local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct), noise)
         fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], cfg)
         if part == "fitness":
-            return params, states, fitness, nothing
+            return params, opt, states, fitness, nothing
         scores = jax.lax.all_gather(shape_fitness(fitness, cfg, POP), POP, tiled=True)
-        params, moved = es_update(params, noise, scores, thresholds, cfg)
-        return params, states, fitness, moved
+        params, opt, moved = es_update(params, opt, noise, scores, thresholds, cfg)
+        return params, opt, states, fitness, moved
 
     step = jax.shard_map(
         local_step,
         mesh=mesh,
-        in_specs=(spec(), spec(POP), spec(), spec(), spec()),
-        out_specs=(spec(), spec(POP), spec(POP), spec()),
+        in_specs=(spec(), spec(), spec(POP), spec(), spec(), spec()),
+        out_specs=(spec(), spec(), spec(POP), spec(POP), spec()),
         check_vma=False,
     )
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
@@ -798,12 +911,17 @@ def largest_sigma_shift() -> int:
 
 
 def check_z_test(args: Args, cfg: Config) -> None:
-    """Refuse a fixed --alpha so small that its Z-test threshold is beyond the largest |Z| an entry
-    can reach at this population: no parameter could ever move. (A schedule starts at alpha 1.)"""
+    """Refuse a fixed --alpha so small that its threshold is beyond the largest |Z| (momentum: |m|)
+    an entry can reach at this population: no parameter could ever move. (A schedule starts at
+    alpha 1; adam's test compares with a running scale and has no such bound.)"""
+    if cfg.optimizer == "adam":
+        return
     bounds = accumulator_bounds(cfg)
     first = z_thresholds(dataclasses.replace(args, num_epochs=1), cfg)[0]
     for kind, threshold in zip(("matrix", "vector"), first, strict=True):
-        reach = bounds[f"Z of a {kind} entry"][0]
+        reach = (
+            bounds[f"Z of a {kind} entry"][0] if cfg.optimizer == "ztest" else INT8_MAX << cfg.momentum_shift
+        )
         if threshold >= reach:
             raise UserError(
                 f"--alpha {args.alpha:g} at population {cfg.population}: the Z-test threshold {threshold:,} "
@@ -1079,13 +1197,14 @@ def describe_baselines(values: dict[str, float]) -> str:
 # Checkpoints. One folder per checkpoint, readable without run.py:
 #   params.npz   the int8 parameters, one array per name in PARAM_NAMES (numpy's own format)
 #   states.npz   the carried hidden states (population, n_layer, n_embd) int8
+#   optimizer.npz the update rule's int16 state, one array per 'SLOT/NAME' (not for --optimizer ztest)
 #   meta.json    generation, validation score, format version, every flag of the run, and the
 #                settings that decide its training (compared on resume)
 # A checkpoint is written into a hidden temporary folder and renamed into place, and the pointer
 # files LATEST and BEST are replaced by rename too: a kill at any moment leaves the previous
 # checkpoints intact and never a half-written one under a real name.
 
-CHECKPOINT_FORMAT = 2  # 2 adds meta["training"]; format 1 checkpoints still load
+CHECKPOINT_FORMAT = 3  # 2 adds meta["training"], 3 optimizer.npz and --optimizer's flags; all load
 # Flags that change what a generation computes. --num_epochs is not one: the alpha schedule, the
 # noise and the data position depend on the generation counter only, so a run may be extended.
 TRAINING_FLAGS = (
@@ -1098,10 +1217,19 @@ TRAINING_FLAGS = (
     "fast_fitness",
     "noise_reuse",
     "num_perturbations",
+    "optimizer",
+    "momentum_shift",
+    "scale_shift",
+    "shared_pair_state",
     "group_size",
     "tokens_per_update",
     "n_layer",
     "n_embd",
+    "mlp_relu",
+)
+# What every checkpoint of format 2 or older was trained with, for the flags format 3 added
+BEFORE_FORMAT_3 = dict(
+    optimizer="ztest", momentum_shift=2, scale_shift=4, shared_pair_state=False, mlp_relu=True
 )
 
 
@@ -1127,6 +1255,7 @@ def training_changes(meta: dict, identity: dict) -> dict[str, tuple]:
     """{setting: (the checkpoint's value, this run's)} for every setting that differs. A format 1
     checkpoint has only its flags to compare."""
     old = meta.get("training") or {k: v for k, v in meta.get("args", {}).items() if k in TRAINING_FLAGS}
+    old = {**BEFORE_FORMAT_3, **old}
     return {k: (old[k], v) for k, v in identity.items() if k in old and old[k] != v}
 
 
@@ -1143,14 +1272,17 @@ class UnreadableCheckpoint(UserError):
         self.folder, self.reason = folder, reason
 
 
-def save_checkpoint(folder: Path, params, states, meta: dict) -> None:
+def save_checkpoint(folder: Path, params, states, meta: dict, opt: dict | None = None) -> None:
     """Write a checkpoint folder atomically (nothing happens if it already exists)."""
     if folder.exists():
         return
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, arrays in (("params.npz", params), ("states.npz", {"states": states})):
+    files = [("params.npz", params), ("states.npz", {"states": states})] + [("optimizer.npz", opt)] * bool(
+        opt
+    )
+    for name, arrays in files:
         with atomic_file(tmp / name) as f:
             np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
     write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
@@ -1166,17 +1298,22 @@ def remove_checkpoint(folder: Path) -> None:
 
 
 def load_checkpoint(folder: Path, cfg: Config):
-    """(params, states or None, meta) of a checkpoint folder, checked against this run's model.
-    States come back as None when the population layout differs (they cannot carry over)."""
+    """(params, states or None, opt or None, meta) of a checkpoint folder, checked against this
+    run's model. States come back as None when the population layout differs (they cannot carry
+    over), opt as None when the checkpoint holds no state of this run's --optimizer."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
         with np.load(folder / "params.npz") as f:
             params = {k: f[k] for k in f.files}
         with np.load(folder / "states.npz") as f:
             states = f["states"]
+        opt = {}
+        if (folder / "optimizer.npz").exists():
+            with np.load(folder / "optimizer.npz") as f:
+                opt = {k: f[k] for k in f.files}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise UnreadableCheckpoint(folder, type(error).__name__) from None
-    want = {k: (cfg.n_layer,) * (k in BLOCK_NAMES) + param_shape(k, cfg) for k in PARAM_NAMES}
+    want = {k: full_shape(k, cfg) for k in PARAM_NAMES}
     got = {k: v.shape for k, v in params.items()}
     if got != want or any(v.dtype != np.int8 for v in params.values()):
         model = meta.get("args", {})
@@ -1186,7 +1323,10 @@ def load_checkpoint(folder: Path, cfg: Config):
         )
     if states.shape != (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
         states = None
-    return params, states, meta
+    want = {f"{slot}/{k}": full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
+    if {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
+        opt = None
+    return params, states, opt, meta
 
 
 def checkpoints_in(save_dir: Path) -> list[Path]:
@@ -1275,17 +1415,17 @@ class Checkpointer:
             "training": self.training,
         }
 
-    def save(self, generation: int, params, states, val_bpb: float) -> Path:
+    def save(self, generation: int, params, opt, states, val_bpb: float) -> Path:
         folder = self.dir / f"gen-{generation:08d}"
         if not self.writer:
             return folder
-        save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
+        save_checkpoint(folder, params, states, self.meta(generation, val_bpb), opt)
         write_atomic(self.dir / "LATEST", folder.name.encode())
         for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
             remove_checkpoint(old)
         return folder
 
-    def offer_best(self, generation: int, params, states, val_bpb: float) -> None:
+    def offer_best(self, generation: int, params, opt, states, val_bpb: float) -> None:
         """Keep this model if its validation score is the best so far."""
         if not val_bpb < self.best:
             return
@@ -1293,7 +1433,7 @@ class Checkpointer:
         folder = self.dir / f"best-{val_bpb:.4f}-gen-{generation:08d}"
         if not self.writer:
             return
-        save_checkpoint(folder, params, states, self.meta(generation, val_bpb))
+        save_checkpoint(folder, params, states, self.meta(generation, val_bpb), opt)
         write_atomic(self.dir / "BEST", folder.name.encode())
         for old in self.dir.glob("best-*"):
             if old != folder and old.is_dir():
@@ -1353,6 +1493,11 @@ def check_args(args: Args) -> None:
             f"--sigma_shift must be in [0, {largest_sigma_shift()}], got {args.sigma_shift}: from "
             f"{largest_sigma_shift() + 1} on every bias and gain perturbation rounds to 0 (nothing to select)"
         )
+    for name in ("momentum_shift", "scale_shift"):
+        if not 1 <= getattr(args, name) <= 7:
+            raise UserError(
+                f"--{name} must be in [1, 7] (its running sum is int16), got {getattr(args, name)}"
+            )
     if not 0 <= args.rank <= 64:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
     if not 0 < args.valid_fraction < 0.5:
@@ -1461,6 +1606,7 @@ def save_dir_of(args: Args) -> Path:
 
 class Resumed(NamedTuple):
     params: dict
+    opt: dict  # the update rule's state
     states: np.ndarray
     generation: int
     best: float  # best validation bits/byte so far
@@ -1481,7 +1627,7 @@ def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer:
     candidates = find_resume(args.resume, save_dir)
     for i, folder in enumerate(candidates):
         try:
-            params, states, meta = load_checkpoint(folder, cfg)
+            params, states, opt, meta = load_checkpoint(folder, cfg)
         except UnreadableCheckpoint as error:
             if args.resume != "auto" or i == len(candidates) - 1:
                 raise
@@ -1500,10 +1646,13 @@ def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer:
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
             states = initial_states(cfg)
+        if opt is None:
+            print(f"warning: {folder} holds no --optimizer {cfg.optimizer} state: it starts afresh")
+            opt = init_optimizer(cfg)
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())
         best = meta.get("best_val_bits_per_byte", math.inf)
-        return Resumed(params, states, meta["generation"], best, folder, changes)
+        return Resumed(params, opt, states, meta["generation"], best, folder, changes)
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None
 
@@ -1530,12 +1679,12 @@ def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def on_mesh(params, states, mesh):
-    """Parameters replicated on every device and hidden states spread over the population."""
+def on_mesh(params, opt, states, mesh):
+    """Parameters and update rule state replicated on every device, hidden states spread over the
+    population."""
     spec = jax.sharding.PartitionSpec
-    return jax.tree.map(lambda p: global_array(p, mesh, spec()), params), global_array(
-        states, mesh, spec(POP)
-    )
+    params, opt = jax.tree.map(lambda p: global_array(p, mesh, spec()), (params, opt))
+    return params, opt, global_array(states, mesh, spec(POP))
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
@@ -1617,19 +1766,26 @@ def train(args: Args) -> dict:
     alphas, thresholds = alpha_schedule(args), z_thresholds(args, cfg)
 
     if resumed is None:
-        params, states, first = jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), 0
+        params, opt, states = (
+            jax.jit(init_params, static_argnums=0)(cfg),
+            init_optimizer(cfg),
+            initial_states(cfg),
+        )
+        first = 0
     else:
-        params, states, first, checkpointer.best, folder, changes = resumed
+        params, opt, states, first, checkpointer.best, folder, changes = resumed
         log(f"resuming from {folder} at generation {first}")
         if changes:
             log(f"continuing with changed settings (--allow_changes): {describe_changes(changes)}")
         if first >= args.num_epochs:
             log(f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}")
             return {"params": params}
-    params, states = on_mesh(params, states, mesh)
+    params, opt, states = on_mesh(params, opt, states, mesh)
     batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
     tick = time.time()
-    lowered = make_generation_step(cfg, mesh).lower(params, states, batch, np.int32(first), thresholds[first])
+    lowered = make_generation_step(cfg, mesh).lower(
+        params, opt, states, batch, np.int32(first), thresholds[first]
+    )
     step = lowered.compile()  # ahead of time: the program's memory and collectives are known up front
     traffic = sum(size for _, size in collective_traffic(step.as_text()))
     temporaries = getattr(step.memory_analysis(), "temp_size_in_bytes", 0)
@@ -1655,8 +1811,9 @@ def train(args: Args) -> dict:
         return bits_per_byte(ll, valid_rows.shape[0] * (valid_rows.shape[1] - 1))
 
     def snapshot():
-        """Host copies of the parameters and hidden states (every process takes part)."""
-        return jax.tree.map(host_copy, params), host_copy(states)
+        """Host copies of the parameters, update rule state and hidden states (every process takes
+        part)."""
+        return *jax.tree.map(host_copy, (params, opt)), host_copy(states)
 
     diagnose_every = args.log_every or (10 if args.debug else 0)
     probe, probe_rows = make_probe(cfg), valid_rows[:16, :65]  # compiled on first use only
@@ -1672,8 +1829,8 @@ def train(args: Args) -> dict:
                 batch = global_array(batch_at(train_bytes, stream, cfg, generation), mesh, spec())
             diagnose = diagnose_every and (generation + 1) % diagnose_every == 0
             before = jax.tree.map(host_copy, params) if diagnose else None  # the step donates params
-            params, states, fitness, moved = step(
-                params, states, batch, np.int32(generation), thresholds[generation]
+            params, opt, states, fitness, moved = step(
+                params, opt, states, batch, np.int32(generation), thresholds[generation]
             )
             fitness = local_copy(fitness).astype(np.int64)  # process 0's members: logging only
             seconds = time.time() - tick
@@ -1802,9 +1959,11 @@ def sample(args: Args) -> str:
         model = json.loads((folder / "meta.json").read_text())["args"]
     except (OSError, ValueError, KeyError):
         raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
-    model_args = dataclasses.replace(args, n_embd=model["n_embd"], n_layer=model["n_layer"])
+    model_args = dataclasses.replace(
+        args, n_embd=model["n_embd"], n_layer=model["n_layer"], mlp_relu=model.get("mlp_relu", True)
+    )
     cfg = make_config(model_args)
-    params, _, _ = load_checkpoint(folder, cfg)
+    params = load_checkpoint(folder, cfg)[0]
     text = args.prompt + printable(sample_text(jax.tree.map(jnp.asarray, params), cfg, args, args.seed))
     print(text)
     return text
@@ -1953,18 +2112,19 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     def prepare(label: str, kind_args: Args, part: str) -> dict:
         """Compile one kind ahead of time and run its first generation."""
         cfg = make_config(kind_args, mesh.size)
-        params, states = on_mesh(jax.jit(init_params, static_argnums=0)(cfg), initial_states(cfg), mesh)
+        params = jax.jit(init_params, static_argnums=0)(cfg)
+        params, opt, states = on_mesh(params, init_optimizer(cfg), initial_states(cfg), mesh)
         batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
         kind = dict(label=label, cfg=cfg, batch=global_array(batch, mesh, spec()), seconds=[])
         kind["thresholds"] = z_thresholds(dataclasses.replace(kind_args, num_epochs=1), cfg)[0]
         tick = time.time()
         lowered = make_generation_step(cfg, mesh, part).lower(
-            params, states, kind["batch"], np.int32(0), kind["thresholds"]
+            params, opt, states, kind["batch"], np.int32(0), kind["thresholds"]
         )
         kind["step"] = lowered.compile()
         kind["compile"] = time.time() - tick
         kind["temporaries"] = getattr(kind["step"].memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-        kind["carry"] = (params, states)
+        kind["carry"] = (params, opt, states)
         kind["first"] = time_generation(kind, 0)
         kind["seconds"].clear()
         kind["memory"] = peak_memory()[0]

@@ -179,12 +179,26 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
         (["--no-fast_fitness", "--noise_reuse", "2"], "--fast_fitness True -> False, --noise_reuse 1 -> 2"),
         (["--num_perturbations", "8"], "--num_perturbations 0 -> 8"),
+        (
+            ["--optimizer", "adam", "--momentum_shift", "3", "--scale_shift", "5"],
+            "--optimizer ztest -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
+        ),
+        (
+            ["--shared_pair_state", "--no-mlp_relu"],
+            "--shared_pair_state False -> True, --mlp_relu True -> False",
+        ),
     ):
         result = in_process(capsys, *base, *flags)
         one_line_error(result, f"gen-00000004 was trained with other settings: {listed}")
         assert "-> 93,060 bytes #" in result.stderr if "--data" in flags else f"{listed}; " in result.stderr
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
+    # a checkpoint from before format 3 was trained with upstream's rule, whatever the defaults now
+    meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.BEFORE_FORMAT_3}
+    meta_path.write_text(json.dumps({**meta, "format": 2}))
+    one_line_error(in_process(capsys, *base, "--optimizer", "momentum"), "--optimizer ztest -> momentum; ")
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
@@ -214,27 +228,45 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     stepped once from zero states at population 32, computed here in-process."""
     assert in_process(capsys, *TINY, "--num_epochs", "4", "--runs_dir", str(tmp_path)).returncode == 0
     folder = checkpoint_dir(tmp_path)
-    wider = ["--parallel_generations_per_gpu", "32", "--num_epochs", "5", "--allow_changes"]
+    wider = [
+        "--parallel_generations_per_gpu",
+        "32",
+        "--num_epochs",
+        "5",
+        "--optimizer",
+        "adam",
+        "--allow_changes",
+    ]
     result = in_process(
         capsys, *TINY, *wider, "--runs_dir", str(tmp_path), "--save_dir", str(folder), "--resume", "auto"
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "another population layout: hidden states restart at zero" in result.stdout
+    assert "holds no --optimizer adam state: it starts afresh" in result.stdout
     assert f"resuming from {folder / 'gen-00000004'} at generation 4" in result.stdout
     args = run.parse_args([*TINY, *wider])
     cfg = run.make_config(args)
     train_bytes, _ = run.open_data(args)
     batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
-    params, _, _ = run.load_checkpoint(folder / "gen-00000004", run.make_config(run.parse_args(TINY)))
+    params = run.load_checkpoint(folder / "gen-00000004", run.make_config(run.parse_args(TINY)))[0]
     step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
-    params, states, _, _ = step(
-        params, run.initial_states(cfg), batch, np.int32(4), run.z_thresholds(args, cfg)[4]
+    params, opt, states, _, _ = step(
+        params,
+        run.init_optimizer(cfg),
+        run.initial_states(cfg),
+        batch,
+        np.int32(4),
+        run.z_thresholds(args, cfg)[4],
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
         for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(f[name], params[name], err_msg=name)
     with np.load(folder / "gen-00000005" / "states.npz") as f:
         np.testing.assert_array_equal(f["states"], states)
+    with np.load(folder / "gen-00000005" / "optimizer.npz") as f:
+        assert sorted(f.files) == sorted(opt) and f["v/Wf"].dtype == np.int16
+        for key in f.files:
+            np.testing.assert_array_equal(f[key], opt[key], err_msg=key)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
@@ -271,7 +303,8 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
         assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
-    loaded, loaded_states, _ = run.load_checkpoint(tmp_path / "c", cfg)
+    loaded, loaded_states, opt, _ = run.load_checkpoint(tmp_path / "c", cfg)
+    assert opt == {}  # --optimizer ztest keeps no state
     np.testing.assert_array_equal(loaded_states, states)
     other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
     assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states
@@ -281,7 +314,7 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
     cfg = tiny_cfg()
     params, states = run.init_params(cfg), run.initial_states(cfg)
     saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
-    saver.save(1, params, states, 9.0)
+    saver.save(1, params, {}, states, 9.0)
     before = params_hash(tmp_path / "gen-00000001")
 
     def dies(*a, **k):
@@ -289,7 +322,7 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
 
     monkeypatch.setattr(np, "savez", dies)
     with pytest.raises(KeyboardInterrupt):
-        saver.save(2, params, states, 9.0)
+        saver.save(2, params, {}, states, 9.0)
     assert not (tmp_path / "gen-00000002").exists()
     assert (tmp_path / "LATEST").read_text() == "gen-00000001"
     assert params_hash(tmp_path / "gen-00000001") == before
@@ -300,7 +333,7 @@ def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path
     cfg = tiny_cfg()
     params, states = run.init_params(cfg), run.initial_states(cfg)
     saver = run.Checkpointer(tmp_path, run.Args())
-    saver.save(3, params, states, 9.0)
+    saver.save(3, params, {}, states, 9.0)
     run.save_checkpoint(tmp_path / "gen-00000006", params, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
     assert run.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
@@ -331,8 +364,8 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
     params, states = run.init_params(cfg), run.initial_states(cfg)
     saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
     for generation, score in ((1, 5.0), (2, 4.0), (3, 4.5), (4, 4.2)):
-        saver.save(generation, params, states, score)
-        saver.offer_best(generation, params, states, score)
+        saver.save(generation, params, {}, states, score)
+        saver.offer_best(generation, params, {}, states, score)
     assert sorted(p.name for p in tmp_path.glob("gen-*")) == ["gen-00000003", "gen-00000004"]
     assert [p.name for p in tmp_path.glob("best-*")] == ["best-4.0000-gen-00000002"]
     assert (tmp_path / "BEST").read_text() == "best-4.0000-gen-00000002"

@@ -130,7 +130,8 @@ cfg = run.make_config(args, mesh.size)
 params = jax.eval_shape(lambda: run.init_params(cfg))
 states = jax.ShapeDtypeStruct((cfg.population, 1, 8), np.int8)
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
-step = run.make_generation_step(cfg, mesh).lower(params, states, batch, np.int32(0), np.zeros(2, np.int32))
+thresholds = np.zeros(2, np.int32)
+step = run.make_generation_step(cfg, mesh).lower(params, {{}}, states, batch, np.int32(0), thresholds)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
 for name, hlo in programs.items():

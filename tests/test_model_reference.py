@@ -42,10 +42,10 @@ def window(cfg, rng, members):
 
 
 @pytest.mark.parametrize(
-    "n_embd, rank, sigma_shift",
-    [(16, 1, 4), (16, 3, 2), (12, 2, 0), (16, 0, 3)],  # 12: rescales by a multiply, not a shift
-)
-def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift):
+    "n_embd, rank, sigma_shift, relu",
+    [(16, 1, 4, True), (16, 3, 2, True), (12, 2, 0, True), (16, 0, 3, True), (16, 1, 4, False)],
+)  # 12: rescales by a multiply, not a shift; relu False: upstream's MLP without a nonlinearity
+def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift, relu):
     args = run.Args(
         n_embd=n_embd,
         n_layer=2,
@@ -54,9 +54,10 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
         tokens_per_update=9,
         rank=rank,
         sigma_shift=sigma_shift,
+        mlp_relu=relu,
     )
     cfg = run.make_config(args)
-    rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift)
+    rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift + 100 * relu)
     params = random_params(cfg, rng)
     states, tokens = window(cfg, rng, cfg.population)
     noise = run.generation_noise(cfg, jnp.int32(5))
@@ -72,6 +73,7 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
             tokens[member, :-1],
             tokens[member, 1:],
             sigma_shift,
+            relu,
         )
         assert int(fitness[member]) == want, member
         np.testing.assert_array_equal(final[member], h, err_msg=str(member))

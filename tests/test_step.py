@@ -51,7 +51,16 @@ def jaxpr_dtypes(jaxpr):
     return seen
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(fast_fitness=False, use_clt=False, rank=3), dict(rank=0)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(fast_fitness=False, use_clt=False, rank=3),
+        dict(rank=0),
+        dict(optimizer="momentum"),
+        dict(optimizer="adam", shared_pair_state=True, mlp_relu=False),
+    ],
+)
 def test_generation_step_and_validation_have_no_floating_point(overrides):
     args, c, batch = setup(**overrides)
     mesh = run.population_mesh(jax.devices()[:1])
@@ -59,7 +68,14 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
     programs = {
         "step": (
             run.make_generation_step(c, mesh),
-            (params, run.initial_states(c), batch, np.int32(0), run.z_thresholds(args, c)[0]),
+            (
+                params,
+                run.init_optimizer(c),
+                run.initial_states(c),
+                batch,
+                np.int32(0),
+                run.z_thresholds(args, c)[0],
+            ),
         ),
         "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
     }
@@ -71,20 +87,20 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
 
 
 def run_generations(step, args, c, batch, generations=3):
-    params, states = run.init_params(c), run.initial_states(c)
+    params, opt, states = run.init_params(c), run.init_optimizer(c), run.initial_states(c)
     thresholds = run.z_thresholds(args, c)
     fitness = []
     for g in range(generations):
-        params, states, f, _ = step(params, states, batch, np.int32(g), thresholds[g])
+        params, opt, states, f, _ = step(params, opt, states, batch, np.int32(g), thresholds[g])
         fitness.append(np.asarray(f))
-    return params, states, fitness
+    return params, opt, np.asarray(states), fitness
 
 
 def test_generations_are_exactly_reproducible_and_move_parameters():
     args, c, batch = setup()
     step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
-    p1, s1, f1 = run_generations(step, args, c, batch)
-    p2, s2, f2 = run_generations(step, args, c, batch)
+    p1, _, s1, f1 = run_generations(step, args, c, batch)
+    p2, _, s2, f2 = run_generations(step, args, c, batch)
     for name in run.PARAM_NAMES:
         np.testing.assert_array_equal(p1[name], p2[name])
     np.testing.assert_array_equal(s1, s2)
@@ -103,6 +119,27 @@ def test_num_perturbations_shares_noise_between_members():
     fitness = np.asarray(fitness)
     np.testing.assert_array_equal(fitness[:4], fitness[4:])  # members p and p + 4 are identical
     assert len(set(fitness[:4].tolist())) > 1
+
+
+def test_shared_pair_state_gives_both_members_their_rounded_mean():
+    states = np.array([[5], [8], [-5], [-8], [127], [126], [-127], [127]], np.int8).reshape(8, 1, 1)
+    # (5 + 8) / 2 = 6.5 and (-5 - 8) / 2 = -6.5 round away from zero; 126.5 -> 127; 0
+    want = np.array([7, 7, -7, -7, 127, 127, 0, 0], np.int8).reshape(8, 1, 1)
+    np.testing.assert_array_equal(run.pair_mean(jnp.asarray(states)), want)
+    args, c, batch = setup(shared_pair_state=True)
+    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+    params, opt, states, _ = jax.tree.map(np.asarray, run_generations(step, args, c, batch, generations=2))
+    assert np.any(states[0::2] != states[1::2])  # each pair's noise parted its members' states
+    thresholds = run.z_thresholds(args, c)[2]
+    as_carried = step(params, opt, jnp.asarray(states), batch, np.int32(2), thresholds)
+    as_mean = step(params, opt, run.pair_mean(jnp.asarray(states)), batch, np.int32(2), thresholds)
+    np.testing.assert_array_equal(as_carried[3], as_mean[3])  # the step starts from the pair means
+    own = run.make_generation_step(
+        c._replace(shared_pair_state=False), run.population_mesh(jax.devices()[:1])
+    )
+    assert np.any(
+        np.asarray(own(params, opt, jnp.asarray(states), batch, np.int32(2), thresholds)[3]) != as_mean[3]
+    )
 
 
 def test_state_resets_at_document_separator_and_carries_over_otherwise():

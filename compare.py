@@ -1,0 +1,149 @@
+"""Learning comparison: train named variants of run.py on the same data for several seeds and print
+one table of validation bits/byte (mean +- sample standard deviation over the seeds) at fixed
+generations and at a fixed wall time, beside the unigram and bigram baselines.
+
+    python compare.py --data english.txt stdlib --variants "egg=" "upstream=--algorithm upstream" \
+        --flags "--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
+
+Every run is `python run.py FLAGS VARIANT --data CORPUS --seed S`, one after another (each uses the
+whole machine), its metrics read back from its metrics.jsonl. The wall-time column is the last
+validation reached within --wall_seconds of training (compilation and validation excluded), so
+validate often (--validate_every) for it to mean much.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class CompareArgs:
+    variants: tuple[str, ...] = ("egg=", "upstream=--algorithm upstream")
+    """NAME=FLAGS, one per variant: the run.py flags that make it (empty for the defaults)"""
+    data: tuple[str, ...] = ("stdlib",)
+    """corpora, each as run.py's --data takes it; a file NAME_train.bin with a NAME_valid.bin beside
+    it is validated on that file"""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """seeds of every variant on every corpus"""
+    num_epochs: int = 300
+    """generations of every run"""
+    report_at: tuple[int, ...] = (300,)
+    """generations at which the table reports validation (each a multiple of --validate_every)"""
+    validate_every: int = 100
+    """generations between validations of every run"""
+    wall_seconds: float = 0.0
+    """also report the last validation within this many seconds of training (0: no such column)"""
+    flags: str = ""
+    """run.py flags common to every run"""
+    runs_dir: str = "runs/compare"
+    """folder that gets one subfolder per comparison (its start time), holding the runs' folders"""
+
+
+def parse_variants(specs: tuple[str, ...]) -> dict[str, list[str]]:
+    variants = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in variants:
+            raise SystemExit(f"error: --variants {spec!r}: give NAME=FLAGS with a name used once")
+        variants[name] = shlex.split(flags)
+    return variants
+
+
+def data_flags(corpus: str) -> list[str]:
+    """--data CORPUS, and --valid_data for a NAME_train.bin with its NAME_valid.bin beside it."""
+    valid = Path(corpus.replace("_train.", "_valid."))
+    return ["--data", corpus] + (
+        ["--valid_data", str(valid)] if "_train." in corpus and valid.exists() else []
+    )
+
+
+def read_run(folder: Path) -> dict:
+    """{generation: validation bits/byte}, training seconds to each generation, and baselines."""
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    seconds, elapsed, validation, baselines = 0.0, {}, {}, {}
+    for line in lines:
+        seconds += line.get("perf/seconds", 0.0) if line["generation"] > 1 else 0.0  # 1 compiles
+        elapsed[line["generation"]] = seconds
+        if "val/bits_per_byte" in line:
+            validation[line["generation"]] = line["val/bits_per_byte"]
+            baselines = {k[4:-14]: v for k, v in line.items() if k.endswith("gram_bits_per_byte")}
+    return {"validation": validation, "elapsed": elapsed, "baselines": baselines}
+
+
+def at_wall_time(run: dict, seconds: float) -> float:
+    """The last validation reached within `seconds` of training."""
+    reached = [g for g in run["validation"] if run["elapsed"][g] <= seconds]
+    return run["validation"][max(reached)] if reached else float("nan")
+
+
+def summarise(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "-"
+    return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
+
+
+def table(args: CompareArgs, results: dict) -> str:
+    """One row per variant, one column per corpus and reporting point, baselines below."""
+    columns = [f"gen {g}" for g in args.report_at] + ([f"{args.wall_seconds:g} s"] * bool(args.wall_seconds))
+    header = [f"{'variant':12}"] + [
+        f"{Path(c).name[:14]} {col:>8}".rjust(22) for c in args.data for col in columns
+    ]
+    rows = [" ".join(header)]
+    for name in parse_variants(args.variants):
+        cells = []
+        for corpus in args.data:
+            runs = results[corpus][name]
+            for g in args.report_at:
+                cells.append(summarise([r["validation"][g] for r in runs if g in r["validation"]]))
+            if args.wall_seconds:
+                cells.append(summarise([at_wall_time(r, args.wall_seconds) for r in runs]))
+        rows.append(" ".join([f"{name:12}"] + [c.rjust(22) for c in cells]))
+    for baseline in ("unigram", "bigram"):
+        cells = []
+        for corpus in args.data:
+            first = next(iter(results[corpus].values()))[0]["baselines"].get(baseline, float("nan"))
+            cells += [f"{first:.3f}".rjust(22)] * len(columns)
+        rows.append(" ".join([f"{baseline:12}"] + cells))
+    return "\n".join(rows)
+
+
+def compare(args: CompareArgs) -> str:
+    variants = parse_variants(args.variants)
+    if any(g % args.validate_every or g > args.num_epochs for g in args.report_at):
+        raise SystemExit(
+            "error: every --report_at must be a multiple of --validate_every, at most --num_epochs"
+        )
+    results, runs_dir = {}, str(Path(args.runs_dir) / time.strftime("%Y%m%d-%H%M%S"))
+    for corpus in args.data:
+        results[corpus] = {}
+        for name, flags in variants.items():
+            results[corpus][name] = []
+            for seed in args.seeds:
+                run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
+                command = [sys.executable, str(ROOT / "run.py"), *shlex.split(args.flags), *flags]
+                command += [*data_flags(corpus), "--seed", str(seed), "--num_epochs", str(args.num_epochs)]
+                command += ["--validate_every", str(args.validate_every), "--runs_dir", runs_dir]
+                command += ["--run_name", run_name, "--save_every", "0"]
+                print(f"running {shlex.join(command[1:])}", flush=True)
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"error: {run_name} failed: {done.stderr.strip().splitlines()[-1]}")
+                results[corpus][name].append(read_run(Path(runs_dir) / run_name))
+    text = table(args, results)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    compare(tyro.cli(CompareArgs))
