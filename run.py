@@ -95,6 +95,9 @@ class Args:
     """adam: the running mean of |Z| keeps 1 - 2**-shift of itself per generation, in [1, 7]"""
     shared_pair_state: bool = False
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
+    null_from_scores: bool = False
+    """ztest: scale the Z-test's null std by sqrt(sum of this generation's squared scores / its
+    expected value), so that ties and non-normal differences keep the moved share at alpha"""
 
     # model
     n_layer: int = 6
@@ -192,6 +195,7 @@ SCALE_MAX = 2**16 - 1  # adam's largest threshold multiplier
 FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
 U_STD_BITS = 4  # momentum, adam: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 SCALE_FRAC = 12  # adam's threshold multipliers: real = q / 2**12, q < 2**16
+ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
@@ -218,6 +222,7 @@ class Config(NamedTuple):
     momentum_shift: int = 2
     scale_shift: int = 4
     shared_pair_state: bool = False
+    null_from_scores: bool = False
     mlp_relu: bool = True
 
 
@@ -242,6 +247,7 @@ def make_config(args: Args, devices: int = 1) -> Config:
         momentum_shift=args.momentum_shift,
         scale_shift=args.scale_shift,
         shared_pair_state=args.shared_pair_state,
+        null_from_scores=args.null_from_scores,
         mlp_relu=args.mlp_relu,
     )
 
@@ -639,6 +645,52 @@ def alpha_schedule(args: Args) -> np.ndarray:
     return 1.0 / ((2.0**args.alpha - 1.0) * steps / args.alpha_decay_timestep + 1.0)
 
 
+def isqrt(x):
+    """floor(sqrt(x)) of a non-negative int32, bit by bit (the trial squares fit uint32)."""
+    x, root = x.astype(jnp.uint32), jnp.zeros(x.shape, jnp.uint32)
+    for bit in reversed(range(16)):
+        trial = root | jnp.uint32(1 << bit)
+        root = jnp.where(trial * trial <= x, trial, root)
+    return root.astype(i32)
+
+
+def expected_square_sum(cfg: Config) -> float:
+    """S_null: the expected sum of squared pair weights (scores summed over the pairs sharing a
+    noise) under the null, pairs x E[score**2]."""
+    return cfg.population // 2 * shaped_score_rms(cfg.fast_fitness) ** 2
+
+
+def bit_length(x):
+    """Bits of a non-negative int32 (0 for 0)."""
+    return 32 - jax.lax.clz(x)
+
+
+def scale_by_root(threshold, s, s_null: float):
+    """--null_from_scores: threshold x sqrt(s / s_null) for the sum s of this generation's squared
+    weights, floored, within 1 + 2**-12 relative; all int32, from mantissas in [2**14, 2**15): threshold
+    = tm 2**te, sqrt(s) = r 2**-j (r = isqrt(s 4**j) with s 4**j in [2**28, 2**30)) and
+    1 / sqrt(s_null) = im 2**-ie (from the host); ((tm r) >> 15) im < 2**31. The largest int32
+    (nothing moves) stays so, s = 0 (all ties: every Z is 0) gives 0, and s = s_null the threshold
+    itself."""
+    inverse = 1 / math.sqrt(s_null)
+    ie = ROOT_BITS - 1 - int(math.floor(math.log2(inverse)))
+    im = int(round(inverse * 2**ie))  # in [2**14, 2**15]
+    te = bit_length(threshold) - ROOT_BITS
+    tm = jnp.where(te >= 0, threshold >> jnp.maximum(te, 0), threshold << jnp.maximum(-te, 0))
+    j = (jax.lax.clz(jnp.maximum(s, 1)) - 2) >> 1
+    r = isqrt(s << j * 2)
+    product = ((tm * r) >> ROOT_BITS) * im
+    shift = ROOT_BITS + te - j - ie
+    room = jax.lax.clz(jnp.maximum(product, 1)) - 1  # left shifts that keep it an int32
+    scaled = jnp.where(
+        shift >= 0,
+        jnp.where(shift <= room, product << jnp.clip(shift, 0, 31), INT32_MAX),
+        product >> jnp.clip(-shift, 0, 31),
+    )
+    same = s == int(s_null) if float(s_null).is_integer() else False
+    return jnp.where((threshold == INT32_MAX) | same, threshold, jnp.where(s == 0, 0, scaled))
+
+
 def u_shifts(cfg: Config) -> tuple[int, int]:
     """momentum, adam: the right shifts that take Z of a matrix / vector entry to u, whose null std
     is then in [2**U_STD_BITS, 2**(U_STD_BITS + 1)) (no shift when Z's is already smaller)."""
@@ -749,6 +801,8 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
     shifts = u_shifts(cfg)
+    if cfg.null_from_scores and cfg.optimizer == "ztest":
+        thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
     new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
@@ -877,6 +931,12 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         ),
         "Z of a vector entry": (
             pairs * score_max * (a_max if cfg.use_clt else 1),
+            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+        ),
+        "sum of squared pair weights (--null_from_scores)": (
+            cfg.distinct_pairs * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
+            if cfg.null_from_scores
+            else 0,
             "a smaller --parallel_generations_per_gpu, or --fast_fitness",
         ),
         "sum of |pair difference| mod pairs (normalised fitness)": (
@@ -1221,6 +1281,7 @@ TRAINING_FLAGS = (
     "momentum_shift",
     "scale_shift",
     "shared_pair_state",
+    "null_from_scores",
     "group_size",
     "tokens_per_update",
     "n_layer",
@@ -1229,7 +1290,12 @@ TRAINING_FLAGS = (
 )
 # What every checkpoint of format 2 or older was trained with, for the flags format 3 added
 BEFORE_FORMAT_3 = dict(
-    optimizer="ztest", momentum_shift=2, scale_shift=4, shared_pair_state=False, mlp_relu=True
+    optimizer="ztest",
+    momentum_shift=2,
+    scale_shift=4,
+    shared_pair_state=False,
+    null_from_scores=False,
+    mlp_relu=True,
 )
 
 
