@@ -3,7 +3,7 @@ one table of validation bits/byte (mean +- sample standard deviation over the se
 generations and at a fixed wall time, beside the unigram and bigram baselines.
 
     python compare.py --data english.txt stdlib --variants "egg=" "upstream=--algorithm upstream" \
-        --flags "--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
+        --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
 
 Every run is `python run.py FLAGS VARIANT --data CORPUS --seed S`, one after another (each uses the
 whole machine), its metrics read back from its metrics.jsonl. The wall-time column is the last

@@ -99,7 +99,7 @@ def log2_softmax(logits, target: int) -> int:
     return ((logits[target] - top) << 4) - log2_s
 
 
-def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, relu: bool = True):
+def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, relu: bool):
     """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
     {name: (A, B) or full array} (block entries with a leading layer axis), or None. relu: the
     MLP's ReLU (--mlp_relu; upstream has none)."""
@@ -139,7 +139,7 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, relu: bool 
     return matmul(x, params["head"], nz("head"), sign, sigma_shift), h
 
 
-def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int, relu: bool = True):
+def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int, relu: bool):
     """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per byte)."""
     total, every = 0, []
     for tok, target in zip(inputs, targets, strict=True):

@@ -177,15 +177,15 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         (["--parallel_generations_per_gpu", "32"], "population 16 -> 32"),
         (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
         (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
-        (["--no-fast_fitness", "--noise_reuse", "2"], "--fast_fitness True -> False, --noise_reuse 1 -> 2"),
+        (["--fast_fitness", "--noise_reuse", "2"], "--fast_fitness False -> True, --noise_reuse 1 -> 2"),
         (["--num_perturbations", "8"], "--num_perturbations 0 -> 8"),
         (
             ["--optimizer", "adam", "--momentum_shift", "3", "--scale_shift", "5"],
-            "--optimizer ztest -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
+            "--optimizer momentum -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
         ),
         (
-            ["--shared_pair_state", "--no-mlp_relu"],
-            "--shared_pair_state False -> True, --mlp_relu True -> False",
+            ["--no-shared_pair_state", "--mlp_relu", "--no-null_from_scores"],
+            "--shared_pair_state True -> False, --null_from_scores True -> False, --mlp_relu False -> True",
         ),
     ):
         result = in_process(capsys, *base, *flags)
@@ -195,10 +195,13 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
     # a checkpoint from before format 3 was trained with upstream's rule, whatever the defaults now
     meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
-    meta = json.loads(meta_path.read_text())
+    written = meta_path.read_text()
+    meta = json.loads(written)
     meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.BEFORE_FORMAT_3}
     meta_path.write_text(json.dumps({**meta, "format": 2}))
-    one_line_error(in_process(capsys, *base, "--optimizer", "momentum"), "--optimizer ztest -> momentum; ")
+    as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu"]  # momentum: the default
+    one_line_error(in_process(capsys, *base, *as_before), "--optimizer ztest -> momentum; ")
+    meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
@@ -298,13 +301,21 @@ def tiny_cfg():
 def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     cfg = tiny_cfg()
     params, states = run.init_params(cfg), run.initial_states(cfg)
-    run.save_checkpoint(tmp_path / "c", params, states, {"generation": 5})
+    opt = jax.tree.map(lambda x: x + 3, run.init_optimizer(cfg))  # momentum's running sums
+    run.save_checkpoint(tmp_path / "c", params, states, {"generation": 5}, opt)
     with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
         assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
-    loaded, loaded_states, opt, _ = run.load_checkpoint(tmp_path / "c", cfg)
-    assert opt == {}  # --optimizer ztest keeps no state
+    loaded, loaded_states, loaded_opt, _ = run.load_checkpoint(tmp_path / "c", cfg)
+    with np.load(tmp_path / "c" / "optimizer.npz") as f:
+        assert sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES) and f["m/Wf"].dtype == np.int16
+    for key, value in opt.items():
+        np.testing.assert_array_equal(loaded_opt[key], value)
+    ztest = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest"))
+    assert run.load_checkpoint(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
+    adam = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam"))
+    assert run.load_checkpoint(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
     np.testing.assert_array_equal(loaded_states, states)
     other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
     assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states

@@ -17,9 +17,10 @@ COMMON = ["--data", "stdlib", "--dir_path", CACHE] + (
     "--n_embd 8 --n_layer 2 --group_size 4 --tokens_per_update 8 --validation_tokens 16 --alpha 0.3 "
     "--validation_batch_size 6"  # 6 rows: padded to 8 on 4 devices
 ).split()
-# --no-fast_fitness exercises the global mean |difference|; --num_perturbations 8 makes the 4
-# devices' members share noise. The signal test below runs the default --fast_fitness.
-NORMALISED_SHARED = ["--no-fast_fitness", "--num_perturbations", "8"]
+# The defaults exercise the global mean |difference| (normalised fitness), --optimizer momentum's
+# replicated int16 state and --shared_pair_state; --num_perturbations 8 makes the 4 devices'
+# members share noise.
+SHARED_NOISE = ["--num_perturbations", "8"]
 
 
 def launch(devices, flags, runs):
@@ -68,10 +69,10 @@ def layouts(flags, runs):
 def digest(runs, generation: int) -> str:
     (final,) = runs.glob(f"*/checkpoints/gen-{generation:08d}")
     h = hashlib.sha256()
-    for name in ("params.npz", "states.npz"):
-        with np.load(final / name) as f:
+    for name, dtype in (("params.npz", np.int8), ("states.npz", np.int8), ("optimizer.npz", np.int16)):
+        with np.load(final / name) as f:  # optimizer.npz: the default --optimizer momentum's sums
             for key in sorted(f.files):
-                assert f[key].dtype == np.int8
+                assert f[key].dtype == dtype
                 h.update(f[key].tobytes())
     return h.hexdigest()
 
@@ -83,7 +84,7 @@ def records(runs):
 
 
 def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
-    procs = layouts([*NORMALISED_SHARED, "--num_epochs", "3", "--validate_every", "2"], tmp_path)
+    procs = layouts([*SHARED_NOISE, "--num_epochs", "3", "--validate_every", "2"], tmp_path)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
     assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
@@ -130,8 +131,8 @@ cfg = run.make_config(args, mesh.size)
 params = jax.eval_shape(lambda: run.init_params(cfg))
 states = jax.ShapeDtypeStruct((cfg.population, 1, 8), np.int8)
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
-thresholds = np.zeros(2, np.int32)
-step = run.make_generation_step(cfg, mesh).lower(params, {{}}, states, batch, np.int32(0), thresholds)
+thresholds, opt = np.zeros(2, np.int32), jax.eval_shape(lambda: run.init_optimizer(cfg))
+step = run.make_generation_step(cfg, mesh).lower(params, opt, states, batch, np.int32(0), thresholds)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
 for name, hlo in programs.items():

@@ -91,7 +91,7 @@ def test_noise_free_logits_equal_the_reference_byte_by_byte():
     zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
     for row in range(3):
         _, _, logits = reference.member_fitness(
-            params, None, 1, zero, tokens[row], tokens[row], cfg.sigma_shift
+            params, None, 1, zero, tokens[row], tokens[row], cfg.sigma_shift, cfg.mlp_relu
         )
         np.testing.assert_array_equal(seen["logits"][row], logits)
 

@@ -154,7 +154,9 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     np.testing.assert_array_equal(h_end[0], h_end[1])
     assert int(ll[0]) != int(ll[1])  # ...but the bytes before it saw the carried state
     assert np.any(np.asarray(h_end) != 0)
-    alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], c.sigma_shift)
+    alone, h_alone, _ = reference.member_fitness(
+        params, None, 1, h0[1], x[1], y[1], c.sigma_shift, c.mlp_relu
+    )
     assert int(alone) == int(ll[1])
     np.testing.assert_array_equal(h_alone, h_end[1])
 

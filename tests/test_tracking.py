@@ -210,14 +210,15 @@ def test_sweep_booleans_reach_the_script():
     upstream = agent_command(dict(sweep, command=["${args_no_boolean_flags}"]), values)
     assert run.parse_args(upstream).use_clt is True
     for v in params["parallel_generations_per_gpu"]["values"]:  # every grid point is a valid config
-        run.check_args(run.Args(parallel_generations_per_gpu=v, group_size=params["group_size"]["value"]))
+        fixed = {k: p["value"] for k, p in params.items() if "value" in p}
+        run.check_args(run.Args(**{**fixed, "parallel_generations_per_gpu": v}))
 
 
 @pytest.mark.parametrize(
     "argv, clt, fast, track",
     [
         (["--use_clt=False", "--fast_fitness=true"], False, True, False),
-        (["--use_clt", "False", "--track"], False, True, True),
+        (["--use_clt", "False", "--track", "--fast_fitness", "True"], False, True, True),
         (["--no-use_clt", "--no-fast_fitness", "--track=True"], False, False, True),
         (["--use-clt", "--fast-fitness=False"], True, False, False),
     ],
