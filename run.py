@@ -775,7 +775,7 @@ def rule_step(z, m, v, threshold, shift: int, cfg: Config):
     ztest: sign(Z) where |Z| > threshold (m and v unused);
     momentum: u = clip(round(Z / 2**shift)), m = m - round(m / 2**momentum_shift) + u, sign(m)
     where |m| > threshold, and m restarts at 0 where the entry moved: the evidence is spent on the
-    move (kept, m moved the same entry again and again: 0.3 bits/byte worse at 300 generations);
+    move (kept, m moved the same entry again and again: 0.2-0.3 bits/byte worse at 300 generations);
     adam: besides, v = v - round(v / 2**scale_shift) + |u|, sign(m) where |m| 2**SCALE_FRAC >
     threshold v, m restarting likewise. Ranges: |u| <= 127, so |m| and v stay <= 127 x 2**shift
     <= 16256 for shifts <= 7 (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x
