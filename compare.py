@@ -68,6 +68,12 @@ def data_flags(corpus: str) -> list[str]:
     )
 
 
+def corpus_label(corpus: str) -> str:
+    """The corpus's name in the table: its file's stem, less a '_train' suffix."""
+    stem = Path(corpus).stem
+    return stem.removesuffix("_train")
+
+
 def read_run(folder: Path) -> dict:
     """{generation: validation bits/byte}, training seconds to each generation, and baselines."""
     lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -97,7 +103,7 @@ def table(args: CompareArgs, results: dict) -> str:
     """One row per variant, one column per corpus and reporting point, baselines below."""
     columns = [f"gen {g}" for g in args.report_at] + ([f"{args.wall_seconds:g} s"] * bool(args.wall_seconds))
     header = [f"{'variant':12}"] + [
-        f"{Path(c).name[:14]} {col:>8}".rjust(22) for c in args.data for col in columns
+        f"{corpus_label(c)[:12]} {col:>9}".rjust(22) for c in args.data for col in columns
     ]
     rows = [" ".join(header)]
     for name in parse_variants(args.variants):

@@ -101,6 +101,10 @@ class Args:
     null_from_scores: bool = True
     """ztest: scale the Z-test's null std by sqrt(sum of this generation's squared scores / its
     expected value), so that ties and non-normal differences keep the moved share at alpha"""
+    adapt_threshold: bool = False
+    """scale each tensor's threshold, each layer's apart, by sqrt(its spread ratio: this generation's
+    mean squared standardised Z over the null's), so every group moves the same share whatever its
+    signal; contains and replaces --null_from_scores's correction"""
 
     # model
     n_layer: int = 6
@@ -226,6 +230,7 @@ class Config(NamedTuple):
     scale_shift: int
     shared_pair_state: bool
     null_from_scores: bool
+    adapt_threshold: bool
     mlp_relu: bool
 
 
@@ -251,6 +256,7 @@ def make_config(args: Args, devices: int = 1) -> Config:
         scale_shift=args.scale_shift,
         shared_pair_state=args.shared_pair_state,
         null_from_scores=args.null_from_scores,
+        adapt_threshold=args.adapt_threshold,
         mlp_relu=args.mlp_relu,
     )
 
@@ -770,10 +776,42 @@ def init_optimizer(cfg: Config) -> dict:
     }
 
 
-def rule_step(z, m, v, threshold, shift: int, cfg: Config):
+def standardise(z, shift: int):
+    """u = clip(round(Z / 2**shift), -127, 127): Z at a null std in [2**U_STD_BITS, 2**(U_STD_BITS
+    + 1)) (u_shifts), as int32."""
+    reach = min(INT8_MAX << shift, INT32_MAX - (1 << shift))  # rounds to 127; no int32 overflow
+    return jnp.clip(round_shift(jnp.clip(z, -reach, reach), shift), -INT8_MAX, INT8_MAX)
+
+
+def spread_shift(entries: int) -> int:
+    """Right shift of u**2 (<= 127**2 < 2**14) that keeps a sum of `entries` of them below 2**31."""
+    return max(entries.bit_length() - 17, 0)
+
+
+def adapted_threshold(threshold, u, name: str, cfg: Config):
+    """--adapt_threshold: threshold x sqrt(r) per group (the tensor, or each layer of a stacked
+    one), r = the group's spread ratio sum((u**2) >> b) / its null expectation, b = spread_shift.
+    Under the null r ~ 1 and nothing changes; a group whose Z spreads wider than the null (signal,
+    or scores with heavier tails) gets a higher threshold, so every group moves about the share
+    the test's level gives. Null expectation: entries x (E[u**2] / 2**b - (2**b - 1) / 2**(b + 1)),
+    the floor of the shift taking (2**b - 1) / 2**(b + 1) on average. Shaped like u's leading axes
+    for broadcasting; adam's multiplier is capped at SCALE_MAX as z_thresholds' are."""
+    layers = u.shape[0] if name in BLOCK_NAMES else 1
+    groups = u.reshape(layers, -1)
+    entries, b = groups.shape[1], spread_shift(groups.shape[1])
+    square_sum = jnp.sum((groups * groups) >> b, axis=1)
+    mean_square = u_null_std(cfg)[int(name not in MATRICES)] ** 2
+    expected = entries * (mean_square / 2**b - (2**b - 1) / 2 ** (b + 1))
+    scaled = scale_by_root(threshold, square_sum, expected)
+    if cfg.optimizer == "adam":
+        scaled = jnp.minimum(scaled, SCALE_MAX)
+    return scaled.reshape((layers,) + (1,) * (u.ndim - 1)) if name in BLOCK_NAMES else scaled[0]
+
+
+def rule_step(z, u, m, v, threshold, cfg: Config):
     """(move in {-1, 0, 1}, new m, new v) of each entry of one parameter under --optimizer:
-    ztest: sign(Z) where |Z| > threshold (m and v unused);
-    momentum: u = clip(round(Z / 2**shift)), m = m - round(m / 2**momentum_shift) + u, sign(m)
+    ztest: sign(Z) where |Z| > threshold (u, m and v unused);
+    momentum: u = standardise(Z), m = m - round(m / 2**momentum_shift) + u, sign(m)
     where |m| > threshold, and m restarts at 0 where the entry moved: the evidence is spent on the
     move (kept, m moved the same entry again and again: 0.2-0.3 bits/byte worse at 300 generations);
     adam: besides, v = v - round(v / 2**scale_shift) + |u|, sign(m) where |m| 2**SCALE_FRAC >
@@ -782,8 +820,6 @@ def rule_step(z, m, v, threshold, shift: int, cfg: Config):
     2**k); |m| 2**SCALE_FRAC < 2**27 and threshold v < 2**16 x 2**14 (int32)."""
     if cfg.optimizer == "ztest":
         return jnp.sign(z) * (jnp.abs(z) > threshold), m, v
-    reach = min(INT8_MAX << shift, INT32_MAX - (1 << shift))  # rounds to 127; no int32 overflow
-    u = jnp.clip(round_shift(jnp.clip(z, -reach, reach), shift), -INT8_MAX, INT8_MAX)
     m = m.astype(i32) - round_shift(m, cfg.momentum_shift) + u
     if cfg.optimizer == "momentum":
         passes = jnp.abs(m) > threshold
@@ -805,14 +841,18 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
     shifts = u_shifts(cfg)
-    if cfg.null_from_scores and cfg.optimizer == "ztest":
+    if cfg.null_from_scores and cfg.optimizer == "ztest" and not cfg.adapt_threshold:
         thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
     new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
         kind = int(name not in MATRICES)
+        u = standardise(z, shifts[kind]) if cfg.optimizer != "ztest" or cfg.adapt_threshold else None
+        threshold = (
+            adapted_threshold(thresholds[kind], u, name, cfg) if cfg.adapt_threshold else thresholds[kind]
+        )
         m, v = opt.get(f"m/{name}"), opt.get(f"v/{name}")
-        step, m, v = rule_step(z, m, v, thresholds[kind], shifts[kind], cfg)
+        step, m, v = rule_step(z, u, m, v, threshold, cfg)
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
@@ -1287,19 +1327,22 @@ TRAINING_FLAGS = (
     "scale_shift",
     "shared_pair_state",
     "null_from_scores",
+    "adapt_threshold",
     "group_size",
     "tokens_per_update",
     "n_layer",
     "n_embd",
     "mlp_relu",
 )
-# What every checkpoint of format 2 or older was trained with, for the flags format 3 added
-BEFORE_FORMAT_3 = dict(
+# What a checkpoint that does not record a flag was trained with: format 2 and older record none
+# of these, format 3 before --adapt_threshold existed not that one
+MISSING_FLAGS = dict(
     optimizer="ztest",
     momentum_shift=2,
     scale_shift=4,
     shared_pair_state=False,
     null_from_scores=False,
+    adapt_threshold=False,
     mlp_relu=True,
 )
 
@@ -1326,7 +1369,7 @@ def training_changes(meta: dict, identity: dict) -> dict[str, tuple]:
     """{setting: (the checkpoint's value, this run's)} for every setting that differs. A format 1
     checkpoint has only its flags to compare."""
     old = meta.get("training") or {k: v for k, v in meta.get("args", {}).items() if k in TRAINING_FLAGS}
-    old = {**BEFORE_FORMAT_3, **old}
+    old = {**MISSING_FLAGS, **old}
     return {k: (old[k], v) for k, v in identity.items() if k in old and old[k] != v}
 
 
@@ -2293,7 +2336,11 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 
 # --algorithm upstream: upstream's values of every flag whose default here differs from upstream's
 UPSTREAM_ALGORITHM = dict(
-    optimizer="ztest", fast_fitness=True, null_from_scores=False, shared_pair_state=False
+    optimizer="ztest",
+    fast_fitness=True,
+    null_from_scores=False,
+    shared_pair_state=False,
+    adapt_threshold=False,
 )
 
 

@@ -184,8 +184,9 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
             "--optimizer momentum -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
         ),
         (
-            ["--no-shared_pair_state", "--mlp_relu", "--no-null_from_scores"],
-            "--shared_pair_state True -> False, --null_from_scores True -> False, --mlp_relu False -> True",
+            ["--no-shared_pair_state", "--mlp_relu", "--no-null_from_scores", "--adapt_threshold"],
+            "--shared_pair_state True -> False, --null_from_scores True -> False, "
+            "--adapt_threshold False -> True, --mlp_relu False -> True",
         ),
     ):
         result = in_process(capsys, *base, *flags)
@@ -197,7 +198,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
     written = meta_path.read_text()
     meta = json.loads(written)
-    meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.BEFORE_FORMAT_3}
+    meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.MISSING_FLAGS}
     meta_path.write_text(json.dumps({**meta, "format": 2}))
     as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu"]  # momentum: the default
     one_line_error(in_process(capsys, *base, *as_before), "--optimizer ztest -> momentum; ")

@@ -30,6 +30,8 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
     text = compare.compare(args)
     assert "--valid_data " + str(tmp_path / "text_valid.bin") in capsys.readouterr().out
     (folder,) = (tmp_path / "runs").iterdir()
+    header = "variant text gen 2 text gen 4 text 1e+06 s"  # the corpus less its _train suffix
+    assert text.splitlines()[0].split() == header.split()
     rows = {line.split()[0]: line for line in text.splitlines()[1:]}
     for name in ("plain", "momentum"):
         scores = {2: [], 4: []}

@@ -58,7 +58,8 @@ def jaxpr_dtypes(jaxpr):
         dict(fast_fitness=False, use_clt=False, rank=3),
         dict(rank=0),
         dict(optimizer="momentum"),
-        dict(optimizer="adam", shared_pair_state=True, mlp_relu=False),
+        dict(optimizer="adam", shared_pair_state=True, mlp_relu=False, adapt_threshold=True),
+        dict(optimizer="ztest", adapt_threshold=True),
     ],
 )
 def test_generation_step_and_validation_have_no_floating_point(overrides):

@@ -1,5 +1,6 @@
 """The ES update against a slow numpy reference, fitness shaping and the Z-test's calibration."""
 
+import dataclasses
 import math
 import statistics
 
@@ -349,9 +350,8 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
         z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries)
         for kind, z in (("matrix", z_matrix), ("vector", z_vector)):
             index = int(kind == "vector")
-            step, *rule[kind] = run.rule_step(
-                jnp.asarray(z), *rule[kind], thresholds[index], shifts[index], cfg
-            )
+            u = run.standardise(jnp.asarray(z), shifts[index])
+            step, *rule[kind] = run.rule_step(jnp.asarray(z), u, *rule[kind], thresholds[index], cfg)
             m, v = kept[kind]
             u = np.clip(numpy_round(z.astype(np.int64), shifts[index]), -127, 127)
             m = m - numpy_round(m, momentum_shift) + u
@@ -431,3 +431,103 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
     print(f"share with the scores' null {ours:.4f}, with the normal model's {normal_model:.4f}")
     assert abs(ours - alpha) < 0.01
     assert abs(normal_model - alpha) > 0.02  # what the flag is for
+
+
+def test_spread_shift_keeps_the_square_sum_in_int32_and_its_expectation_is_exact():
+    for entries in (1, 2**17 - 1, 2**17, 2**20 + 3, 2**24):
+        b = run.spread_shift(entries)
+        # the least shift for the bound u**2 < 2**14
+        assert entries * (127**2 >> b) < 2**31 and (b == 0 or entries * (2**14 >> (b - 1)) >= 2**31)
+    # E[floor(u**2 / 2**b)] for u a rounded normal at a null std in [16, 32): adapted_threshold's
+    # mean_square / 2**b - (2**b - 1) / 2**(b + 1), within 0.5%
+    u = np.clip(np.round(np.random.default_rng(0).normal(0, 23.0, 2_000_000)), -127, 127).astype(np.int64)
+    for b in (1, 2, 3):
+        want = np.mean(u * u) / 2**b - (2**b - 1) / 2 ** (b + 1)
+        assert abs(np.mean((u * u) >> b) / want - 1) < 0.005, b
+
+
+@pytest.mark.parametrize("optimizer", ["ztest", "momentum", "adam"])
+def test_adapt_threshold_scales_each_group_by_the_root_of_its_spread_ratio(optimizer):
+    """One generation of es_update with --adapt_threshold against a float64 reference: each
+    tensor, each layer apart, is tested against threshold x sqrt(sum(u**2) / (entries x E[u**2]))
+    by reference_rule. Entries may differ only where the reference's decision changes within the
+    bound of scale_by_root (1 + 2**-12 relative, +-1); they are few, and the adapted moves differ
+    from the unadapted ones."""
+    args = tiny(n_layer=2, alpha=0.5, optimizer=optimizer, adapt_threshold=True)
+    c = run.make_config(args)
+    plain = run.make_config(dataclasses.replace(args, adapt_threshold=False))
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(np.asarray, run.init_params(c))
+    opt = jax.tree.map(np.asarray, run.init_optimizer(c))
+    noise = run.generation_noise(c, jnp.int32(0))
+    scores = rng.integers(-1, 2, 4)
+    thresholds, shifts = run.z_thresholds(args, c)[0], run.u_shifts(c)
+    got, _, _ = run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
+    unadapted, _, _ = run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds, plain)
+    unclear = differs = 0
+    for name, z in reference_z(params, noise, scores, c).items():
+        kind = int(name not in run.MATRICES)
+        u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
+        groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
+        ratio = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
+        m, v = opt.get(f"m/{name}", np.zeros(z.shape)), opt.get(f"v/{name}", np.zeros(z.shape))
+        for index in np.ndindex(z.shape):
+            layer = index[0] if name in run.BLOCK_NAMES else 0
+            scaled = int(thresholds[kind]) * math.sqrt(ratio[layer])
+            if optimizer == "adam":
+                scaled = min(scaled, run.SCALE_MAX)
+            entry = (int(z[index]), int(m[index]), int(v[index]))
+
+            def decide(t):
+                if optimizer == "ztest":
+                    return int(np.sign(entry[0])) * (abs(entry[0]) > t)
+                return reference_rule(*entry, t, shifts[kind], c)[0]
+
+            low, high = (
+                decide(t)
+                for t in (math.floor(scaled * (1 - 2**-12)) - 1, math.ceil(scaled * (1 + 2**-12)) + 1)
+            )
+            want = min(127, max(-127, int(params[name][index]) + low))
+            if low != high:
+                unclear += 1
+            else:
+                assert int(got[name][index]) == want, (name, index)
+            differs += int(got[name][index] != unadapted[name][index])
+    total = sum(p.size for p in params.values())
+    # m starts from u, a few tens at most: a band of three integers holds a few percent of it
+    assert unclear < total / (50 if optimizer == "ztest" else 10) and differs > 0, (unclear, differs, total)
+
+
+def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
+    """Fitness that follows the noise of one group (layer 0 of Uf, 256 entries, along a fixed +-1
+    direction G: each pair's sum of G * A B^T, so each entry's Z has a signal twice its null std
+    with 1024 pairs): without the flag the Z-test moves far more than alpha of that group; with
+    --adapt_threshold its threshold follows its wider spread and it moves about alpha, while
+    the groups with no signal (layer 1 of Uf, the other matrices) move alpha either way."""
+    alpha = 0.2
+    args = upstream(n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=alpha)
+    rng = np.random.default_rng(5)
+    shares = {}
+    for adapt in (False, True):
+        c = run.make_config(dataclasses.replace(args, adapt_threshold=adapt))
+        noise = run.generation_noise(c, jnp.int32(0))
+        a, b = (np.asarray(x[:, 0]).astype(np.int64) for x in noise["Uf"])  # (pairs, m | n, rank)
+        direction = rng.choice([-1, 1], (a.shape[1], b.shape[1]))
+        pair = np.einsum("pmr,mn,pnr->p", a, direction, b)
+        fitness = np.stack([pair, -pair], axis=1).ravel().astype(np.int32)
+        params = run.init_params(c)
+        scores = run.shape_fitness(jnp.asarray(fitness), c)
+        _, _, moved = run.es_update(params, {}, noise, scores, run.z_thresholds(args, c)[0], c)
+        counts, start = {}, 0
+        for name in run.PARAM_NAMES:
+            layers = c.n_layer if name in run.BLOCK_NAMES else 1
+            size = params[name].size // layers
+            counts.update({(name, k): int(moved[start + k]) / size for k in range(layers)})
+            start += layers
+        shares[adapt] = counts
+    print(shares)
+    assert shares[False]["Uf", 0] > 2 * alpha and abs(shares[True]["Uf", 0] - alpha) < 0.08
+    for adapt in (False, True):
+        assert abs(shares[adapt]["Uf", 1] - alpha) < 0.08
+        rest = [v for (name, _), v in shares[adapt].items() if name in run.MATRICES and name != "Uf"]
+        assert abs(np.mean(rest) - alpha) < 0.02, (adapt, rest)
