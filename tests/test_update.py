@@ -446,6 +446,13 @@ def test_spread_shift_keeps_the_square_sum_in_int32_and_its_expectation_is_exact
         assert abs(np.mean((u * u) >> b) / want - 1) < 0.005, b
 
 
+def reference_move(entry: tuple[int, int, int], threshold: int, shift: int, c) -> int:
+    """The move of one entry (Z, m, v) under c's --optimizer at this threshold."""
+    if c.optimizer == "ztest":
+        return int(np.sign(entry[0])) * (abs(entry[0]) > threshold)
+    return reference_rule(*entry, threshold, shift, c)[0]
+
+
 @pytest.mark.parametrize("optimizer", ["ztest", "momentum", "adam"])
 def test_adapt_threshold_scales_each_group_by_the_root_of_its_spread_ratio(optimizer):
     """One generation of es_update with --adapt_threshold against a float64 reference: each
@@ -477,14 +484,8 @@ def test_adapt_threshold_scales_each_group_by_the_root_of_its_spread_ratio(optim
             if optimizer == "adam":
                 scaled = min(scaled, run.SCALE_MAX)
             entry = (int(z[index]), int(m[index]), int(v[index]))
-
-            def decide(t):
-                if optimizer == "ztest":
-                    return int(np.sign(entry[0])) * (abs(entry[0]) > t)
-                return reference_rule(*entry, t, shifts[kind], c)[0]
-
             low, high = (
-                decide(t)
+                reference_move(entry, t, shifts[kind], c)
                 for t in (math.floor(scaled * (1 - 2**-12)) - 1, math.ceil(scaled * (1 + 2**-12)) + 1)
             )
             want = min(127, max(-127, int(params[name][index]) + low))
