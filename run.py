@@ -2340,7 +2340,6 @@ UPSTREAM_ALGORITHM = dict(
     fast_fitness=True,
     null_from_scores=False,
     shared_pair_state=False,
-    adapt_threshold=False,
 )
 
 
