@@ -103,7 +103,7 @@ class Args:
     expected value), so that ties and non-normal differences keep the moved share at alpha"""
     adapt_threshold: bool = False
     """scale each tensor's threshold, each layer's apart, by sqrt(its spread ratio: this generation's
-    mean squared standardised Z over the null's), so every group moves the same share whatever its
+    mean squared standardised Z over the null's), so every group moves about the same share whatever its
     signal; contains and replaces --null_from_scores's correction"""
 
     # model
