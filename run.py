@@ -106,6 +106,21 @@ class Args:
     mean squared standardised Z over the null's), so every group moves about the same share whatever its
     signal; contains and replaces --null_from_scores's correction"""
 
+    # replicas and population-based training
+    replicas: int = 1
+    """models trained side by side in one program (a vmap of the step), each with its own parameters,
+    states, update rule state, seed (--seed + its index) and the settings below; all see the same data"""
+    replica_alpha: tuple[float, ...] = ()
+    """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
+    replica_alpha_decay_timestep: tuple[int, ...] = ()
+    """--alpha_decay_timestep of each replica, a list of --replicas values (empty: the flag's)"""
+    replica_sigma_shift: tuple[int, ...] = ()
+    """--sigma_shift of each replica, a list of --replicas values (empty: the flag's)"""
+    pbt_every: int = 0
+    """generations between population-based training steps (0: none; needs --replicas >= 4): the
+    replicas ranked by validation bits/byte, the worst quarter copies the best quarter's model and
+    moves the copied settings one step (explore)"""
+
     # model
     n_layer: int = 6
     """number of minGRU blocks"""
@@ -165,6 +180,8 @@ class Args:
     """drop bytes whose probability is below min_p times the most likely byte's"""
     presence_penalty: float = 0.2
     """bits subtracted from the log2-probability of every byte already generated"""
+    sample_replica: int = -1
+    """--sample from a checkpoint of several replicas: which one (-1: the best by its last validation)"""
     sample_every: int = 0
     """generations between samples printed (and logged) during training (0: none)"""
 
@@ -232,19 +249,45 @@ class Config(NamedTuple):
     null_from_scores: bool
     adapt_threshold: bool
     mlp_relu: bool
+    replicas: int  # > 1: seed and sigma_shift are replica 0's here, each replica's traced in the step
+
+
+# What each replica sets for itself (--replica_NAME), and population-based training explores
+REPLICA_SETTINGS = ("alpha", "alpha_decay_timestep", "sigma_shift")
+# the flags that decide the replicas' settings
+REPLICA_FLAGS = ("seed", *REPLICA_SETTINGS, *(f"replica_{name}" for name in REPLICA_SETTINGS))
+
+
+def replica_settings(args: Args) -> list[dict]:
+    """Each replica's seed (--seed + its index) and settings (its --replica_NAME value, else --NAME)."""
+    lists = {
+        name: getattr(args, f"replica_{name}") or (getattr(args, name),) * args.replicas
+        for name in REPLICA_SETTINGS
+    }
+    return [
+        {"seed": args.seed + k, **{name: lists[name][k] for name in REPLICA_SETTINGS}}
+        for k in range(args.replicas)
+    ]
+
+
+def replica_args(args: Args, setting: dict) -> Args:
+    """The flags of a run of this one replica alone."""
+    alone = {f"replica_{name}": () for name in REPLICA_SETTINGS}
+    return dataclasses.replace(args, replicas=1, pbt_every=0, **alone, **setting)
 
 
 def make_config(args: Args, devices: int = 1) -> Config:
     population = args.parallel_generations_per_gpu * devices
     distinct = args.num_perturbations or population
+    first = replica_settings(args)[0]
     return Config(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         population=population,
         group_size=args.group_size,
         tokens=args.tokens_per_update,
-        seed=args.seed,
-        sigma_shift=args.sigma_shift,
+        seed=first["seed"],
+        sigma_shift=first["sigma_shift"],
         rank=args.rank,
         use_clt=args.use_clt,
         fast_fitness=args.fast_fitness,
@@ -258,6 +301,7 @@ def make_config(args: Args, devices: int = 1) -> Config:
         null_from_scores=args.null_from_scores,
         adapt_threshold=args.adapt_threshold,
         mlp_relu=args.mlp_relu,
+        replicas=args.replicas,
     )
 
 
@@ -887,37 +931,45 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     every device rebuilds all the noise from its counters and applies the identical update to
     its replicated parameters and update rule state. For --benchmark, part="fitness" stops before
     the update and part="inference" runs the same members and tokens without noise.
+
+    With cfg.replicas = K > 1 the replicas are a vmap of this same step: params, opt, states and
+    thresholds have a leading (K,) axis (the states sharded on their second), and step takes two
+    more (K,) int32 arguments, each replica's seed and sigma_shift, traced where a single run has
+    them static (shifts by a traced amount are the same integer operations).
     """
     spec = jax.sharding.PartitionSpec
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
 
-    def local_step(params, opt, states, batch, generation, thresholds):
+    def local_step(params, opt, states, batch, generation, thresholds, seed=None, sigma_shift=None):
+        c = cfg if seed is None else cfg._replace(seed=seed, sigma_shift=sigma_shift)  # a replica's
         first = jax.lax.axis_index(POP) * members
-        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
+        tokens = batch[(first + jnp.arange(members)) // c.group_size]  # (members, T + 1)
         nothing = jnp.zeros((), i32)
-        if cfg.shared_pair_state:
+        if c.shared_pair_state:
             states = pair_mean(states)
         if part == "inference":
-            fitness, states = population_fitness(params, None, states, tokens[:, :-1], tokens[:, 1:], cfg)
+            fitness, states = population_fitness(params, None, states, tokens[:, :-1], tokens[:, 1:], c)
             return params, opt, states, fitness, nothing
-        noise = generation_noise(cfg, generation)  # every pair's: the update needs them all
-        offset = (first // 2) % cfg.distinct_pairs
+        noise = generation_noise(c, generation)  # every pair's: the update needs them all
+        offset = (first // 2) % c.distinct_pairs
         local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct), noise)
-        fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], cfg)
+        fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], c)
         if part == "fitness":
             return params, opt, states, fitness, nothing
-        scores = jax.lax.all_gather(shape_fitness(fitness, cfg, POP), POP, tiled=True)
-        params, opt, moved = es_update(params, opt, noise, scores, thresholds, cfg)
+        scores = jax.lax.all_gather(shape_fitness(fitness, c, POP), POP, tiled=True)
+        params, opt, moved = es_update(params, opt, noise, scores, thresholds, c)
         return params, opt, states, fitness, moved
 
     step = jax.shard_map(
         local_step,
         mesh=mesh,
-        in_specs=(spec(), spec(), spec(POP), spec(), spec(), spec()),
+        in_specs=(spec(), spec(), spec(POP), spec(), spec(), spec()) + (spec(), spec()) * (cfg.replicas > 1),
         out_specs=(spec(), spec(), spec(POP), spec(POP), spec()),
         check_vma=False,
     )
+    if cfg.replicas > 1:
+        step = jax.vmap(step, in_axes=(0, 0, 0, None, None, 0, 0, 0))
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
@@ -933,11 +985,31 @@ def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     local = jax.shard_map(
         evaluate, mesh=mesh, in_specs=(spec(), spec(POP)), out_specs=spec(POP), check_vma=False
     )
+    if cfg.replicas > 1:
+        local = jax.vmap(local, in_axes=(0, None))
     return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, spec()))
 
 
 def initial_states(cfg: Config):
     return jnp.zeros((cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+
+
+def init_replicas(cfg: Config, settings: list[dict]):
+    """(params, opt, states) of a fresh run: with replicas, each replica's parameters from its own
+    seed, stacked on a leading axis, as are the update rule states and hidden states."""
+    if cfg.replicas == 1:
+        return jax.jit(init_params, static_argnums=0)(cfg), init_optimizer(cfg), initial_states(cfg)
+    seeds = jnp.array([s["seed"] for s in settings], i32)
+    params = jax.jit(jax.vmap(lambda seed: init_params(cfg._replace(seed=seed))))(seeds)
+    stack = partial(jax.tree.map, lambda x: jnp.broadcast_to(x, (cfg.replicas,) + x.shape))
+    return params, stack(init_optimizer(cfg)), stack(initial_states(cfg))
+
+
+def replica_inputs(cfg: Config, settings: list[dict]) -> tuple:
+    """The step's extra arguments: each replica's seed and sigma_shift (none for a single run)."""
+    if cfg.replicas == 1:
+        return ()
+    return tuple(np.array([s[name] for s in settings], np.int32) for name in ("seed", "sigma_shift"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1333,9 +1405,14 @@ TRAINING_FLAGS = (
     "n_layer",
     "n_embd",
     "mlp_relu",
+    "replicas",
+    "replica_alpha",
+    "replica_alpha_decay_timestep",
+    "replica_sigma_shift",
+    "pbt_every",
 )
 # What a checkpoint that does not record a flag was trained with: format 2 and older record none
-# of these, format 3 before --adapt_threshold existed not that one
+# of these, format 3 before --adapt_threshold and --replicas existed not those
 MISSING_FLAGS = dict(
     optimizer="ztest",
     momentum_shift=2,
@@ -1344,6 +1421,11 @@ MISSING_FLAGS = dict(
     null_from_scores=False,
     adapt_threshold=False,
     mlp_relu=True,
+    replicas=1,
+    replica_alpha=[],
+    replica_alpha_decay_timestep=[],
+    replica_sigma_shift=[],
+    pbt_every=0,
 )
 
 
@@ -1362,6 +1444,7 @@ def training_identity(args: Args, cfg: Config, train_bytes: np.ndarray) -> dict:
     the total population (members per device x devices: the device count alone changes nothing)
     and the training bytes."""
     identity = {name: getattr(args, name) for name in TRAINING_FLAGS}
+    identity = {k: list(v) if isinstance(v, tuple) else v for k, v in identity.items()}  # as JSON has them
     return {**identity, "population": cfg.population, "data": data_fingerprint(train_bytes)}
 
 
@@ -1427,17 +1510,21 @@ def load_checkpoint(folder: Path, cfg: Config):
                 opt = {k: f[k] for k in f.files}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise UnreadableCheckpoint(folder, type(error).__name__) from None
-    want = {k: full_shape(k, cfg) for k in PARAM_NAMES}
+    lead = (cfg.replicas,) * (cfg.replicas > 1)  # replicas are stacked on a leading axis
+    want = {k: lead + full_shape(k, cfg) for k in PARAM_NAMES}
     got = {k: v.shape for k, v in params.items()}
     if got != want or any(v.dtype != np.int8 for v in params.values()):
         model = meta.get("args", {})
+        held, mine = model.get("replicas", 1), cfg.replicas
         raise UserError(
-            f"checkpoint {folder} holds a {model.get('n_embd')}D-{model.get('n_layer')}L model; this run is "
-            f"{cfg.n_embd}D-{cfg.n_layer}L: pass the same --n_embd and --n_layer, or another checkpoint"
+            f"checkpoint {folder} holds {f'{held} replicas of ' if held > 1 else ''}a "
+            f"{model.get('n_embd')}D-{model.get('n_layer')}L model; this run is "
+            f"{f'{mine} replicas of ' if mine > 1 else ''}{cfg.n_embd}D-{cfg.n_layer}L: pass the same "
+            f"--n_embd and --n_layer{' and --replicas' if held != mine else ''}, or another checkpoint"
         )
-    if states.shape != (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
+    if states.shape != lead + (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
         states = None
-    want = {f"{slot}/{k}": full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
+    want = {f"{slot}/{k}": lead + full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
     if not want:  # a rule that keeps no state
         opt = {}
     elif {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
@@ -1531,25 +1618,28 @@ class Checkpointer:
             "training": self.training,
         }
 
-    def save(self, generation: int, params, opt, states, val_bpb: float) -> Path:
+    def save(self, generation: int, params, opt, states, val_bpb: float, extra: dict | None = None) -> Path:
         folder = self.dir / f"gen-{generation:08d}"
         if not self.writer:
             return folder
-        save_checkpoint(folder, params, states, self.meta(generation, val_bpb), opt)
+        save_checkpoint(folder, params, states, {**self.meta(generation, val_bpb), **(extra or {})}, opt)
         write_atomic(self.dir / "LATEST", folder.name.encode())
         for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
             remove_checkpoint(old)
         return folder
 
-    def offer_best(self, generation: int, params, opt, states, val_bpb: float) -> None:
-        """Keep this model if its validation score is the best so far."""
+    def offer_best(
+        self, generation: int, params, opt, states, val_bpb: float, extra: dict | None = None
+    ) -> None:
+        """Keep this model if its validation score is the best so far (with replicas: the best
+        replica's, as a single run's checkpoint, `extra` saying which)."""
         if not val_bpb < self.best:
             return
         self.best = val_bpb
         folder = self.dir / f"best-{val_bpb:.4f}-gen-{generation:08d}"
         if not self.writer:
             return
-        save_checkpoint(folder, params, states, self.meta(generation, val_bpb), opt)
+        save_checkpoint(folder, params, states, {**self.meta(generation, val_bpb), **(extra or {})}, opt)
         write_atomic(self.dir / "BEST", folder.name.encode())
         for old in self.dir.glob("best-*"):
             if old != folder and old.is_dir():
@@ -1571,9 +1661,9 @@ def check_args(args: Args) -> None:
         "n_embd",
         "validation_batch_size",
         "group_size",
-        "alpha_decay_timestep",
         "keep_checkpoints",
         "num_procs",
+        "replicas",
     )
     for name in positive:
         if getattr(args, name) <= 0:
@@ -1589,6 +1679,7 @@ def check_args(args: Args) -> None:
         "max_new_bytes",
         "temperature",
         "seed",
+        "pbt_every",
     )
     for name in at_least_zero:
         if not getattr(args, name) >= 0:
@@ -1602,13 +1693,35 @@ def check_args(args: Args) -> None:
         raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
     if args.n_embd % 4:
         raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
-    if not args.alpha > 0:
-        raise UserError(f"--alpha must be > 0 (a share < 1, or a schedule exponent > 1), got {args.alpha}")
-    if not 0 <= args.sigma_shift <= largest_sigma_shift():
+    for name in REPLICA_SETTINGS:
+        given = getattr(args, f"replica_{name}")
+        if given and len(given) != args.replicas:
+            raise UserError(
+                f"--replica_{name} has {len(given)} value(s): give one per replica "
+                f"(--replicas {args.replicas})"
+            )
+    if args.pbt_every and args.replicas < 4:
         raise UserError(
-            f"--sigma_shift must be in [0, {largest_sigma_shift()}], got {args.sigma_shift}: from "
-            f"{largest_sigma_shift() + 1} on every bias and gain perturbation rounds to 0 (nothing to select)"
+            f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {args.replicas}"
         )
+    for k, setting in enumerate(replica_settings(args)):
+        which = f" (replica {k})" if args.replicas > 1 else ""
+        if not setting["alpha"] > 0:
+            raise UserError(
+                "--alpha must be > 0 (a share < 1, or a schedule exponent > 1), "
+                f"got {setting['alpha']}{which}"
+            )
+        if setting["alpha_decay_timestep"] <= 0:
+            raise UserError(
+                f"--alpha_decay_timestep must be positive, got {setting['alpha_decay_timestep']}{which}"
+            )
+        if not 0 <= setting["sigma_shift"] <= largest_sigma_shift():
+            raise UserError(
+                f"--sigma_shift must be in [0, {largest_sigma_shift()}], "
+                f"got {setting['sigma_shift']}{which}: "
+                f"from {largest_sigma_shift() + 1} on every bias and gain perturbation rounds to 0 "
+                "(nothing to select)"
+            )
     for name in ("momentum_shift", "scale_shift"):
         if not 1 <= getattr(args, name) <= 7:
             raise UserError(
@@ -1729,6 +1842,7 @@ class Resumed(NamedTuple):
     best: float  # best validation bits/byte so far
     folder: Path
     changes: dict  # training_changes accepted with --allow_changes (empty otherwise)
+    settings: list[dict] | None  # the replicas' settings as PBT left them (None: from the flags)
 
 
 def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer: bool) -> Resumed | None:
@@ -1758,18 +1872,21 @@ def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer:
                 f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
                 "give the checkpoint's values, or --allow_changes to continue with these"
             )
+        fresh = init_replicas(cfg, replica_settings(args)) if states is None or opt is None else None
         if states is None:
             print(
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
-            states = initial_states(cfg)
+            states = fresh[2]
         if opt is None:
             print(f"warning: {folder} holds no --optimizer {cfg.optimizer} state: it starts afresh")
-            opt = init_optimizer(cfg)
+            opt = fresh[1]
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())
         best = meta.get("best_val_bits_per_byte", math.inf)
-        return Resumed(params, opt, states, meta["generation"], best, folder, changes)
+        # the checkpoint's settings, as PBT left them, unless --allow_changes accepted new ones
+        settings = None if any(k in changes for k in REPLICA_FLAGS) else meta.get("replica_settings")
+        return Resumed(params, opt, states, meta["generation"], best, folder, changes, settings)
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None
 
@@ -1801,7 +1918,12 @@ def on_mesh(params, opt, states, mesh):
     population."""
     spec = jax.sharding.PartitionSpec
     params, opt = jax.tree.map(lambda p: global_array(p, mesh, spec()), (params, opt))
-    return params, opt, global_array(states, mesh, spec(POP))
+    return params, opt, global_array(states, mesh, population_spec(states.ndim - 3))
+
+
+def population_spec(replica_axes: int) -> jax.sharding.PartitionSpec:
+    """States and fitness: spread over the population axis, after the replica axis if any."""
+    return jax.sharding.PartitionSpec(*(None,) * replica_axes, POP)
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
@@ -1815,10 +1937,10 @@ def host_copy(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def local_copy(x: jax.Array) -> np.ndarray:
-    """This process's part of an array sharded over the population (no communication)."""
-    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-    return np.concatenate([np.asarray(shard.data) for shard in shards])
+def local_copy(x: jax.Array, axis: int = 0) -> np.ndarray:
+    """This process's part of an array sharded over the population, its `axis` (no communication)."""
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
 
 
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -1862,7 +1984,8 @@ def train(args: Args) -> dict:
     mesh = population_mesh()
     cfg = make_config(args, mesh.size)
     check_ranges(cfg)
-    check_z_test(args, cfg)
+    for setting in replica_settings(args):
+        check_z_test(replica_args(args, setting), cfg)
     spec = jax.sharding.PartitionSpec
     name = args.run_name or default_run_name(args)
     save_dir = save_dir_of(args)
@@ -1873,6 +1996,7 @@ def train(args: Args) -> dict:
     valid_rows = validation_rows(valid_bytes, args)
     identity = training_identity(args, cfg, train_bytes)
     resumed = resume_from(args, save_dir, cfg, identity, writer=lead)
+    settings = replica_settings(args) if resumed is None or resumed.settings is None else resumed.settings
     checkpointer = Checkpointer(save_dir, args, identity, writer=lead)
     if lead:
         checkpointer.check_writable()
@@ -1880,17 +2004,25 @@ def train(args: Args) -> dict:
     baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
     padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
     rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, spec(POP))
-    alphas, thresholds = alpha_schedule(args), z_thresholds(args, cfg)
+    schedules = {}  # (alpha, alpha_decay_timestep): (alpha, thresholds) per generation
+
+    def schedule(setting: dict) -> tuple[np.ndarray, np.ndarray]:
+        key = (setting["alpha"], setting["alpha_decay_timestep"])
+        if key not in schedules:
+            alone = replica_args(args, setting)
+            schedules[key] = alpha_schedule(alone), z_thresholds(alone, cfg)
+        return schedules[key]
+
+    def thresholds(generation: int) -> np.ndarray:
+        """(2,) for a single run, (replicas, 2) with replicas: each replica's own."""
+        rows = np.stack([schedule(s)[1][generation] for s in settings])
+        return rows if cfg.replicas > 1 else rows[0]
 
     if resumed is None:
-        params, opt, states = (
-            jax.jit(init_params, static_argnums=0)(cfg),
-            init_optimizer(cfg),
-            initial_states(cfg),
-        )
+        params, opt, states = init_replicas(cfg, settings)
         first = 0
     else:
-        params, opt, states, first, checkpointer.best, folder, changes = resumed
+        params, opt, states, first, checkpointer.best, folder, changes, _ = resumed
         log(f"resuming from {folder} at generation {first}")
         if changes:
             log(f"continuing with changed settings (--allow_changes): {describe_changes(changes)}")
@@ -1901,16 +2033,17 @@ def train(args: Args) -> dict:
     batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
     tick = time.time()
     lowered = make_generation_step(cfg, mesh).lower(
-        params, opt, states, batch, np.int32(first), thresholds[first]
+        params, opt, states, batch, np.int32(first), thresholds(first), *replica_inputs(cfg, settings)
     )
     step = lowered.compile()  # ahead of time: the program's memory and collectives are known up front
     traffic = sum(size for _, size in collective_traffic(step.as_text()))
     temporaries = getattr(step.memory_analysis(), "temp_size_in_bytes", 0)
     evaluate = make_evaluate(cfg, mesh)
     num_params = num_parameters(cfg)
+    replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
     log(
-        f"egg-jax {name}: {num_params:,} int8 parameters, population {cfg.population} on {mesh.size} "
-        f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+        f"egg-jax {name}: {replicas}{num_params:,} int8 parameters, population {cfg.population} on "
+        f"{mesh.size} {jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
         f"{len(train_bytes):,} training bytes, {valid_rows.size:,} validation bytes"
     )
     log(
@@ -1923,20 +2056,24 @@ def train(args: Args) -> dict:
     if resumed is not None and resumed.changes:
         record.log({"resume/changed": describe_changes(resumed.changes)}, first)
 
-    def validate(params) -> float:
-        ll = np.sum(host_copy(evaluate(params, rows))[: len(valid_rows)], dtype=np.int64)
-        return bits_per_byte(ll, valid_rows.shape[0] * (valid_rows.shape[1] - 1))
+    def validate(params) -> list[float]:
+        """Noise-free validation bits/byte of each replica."""
+        ll = host_copy(evaluate(params, rows)).reshape(cfg.replicas, -1)[:, : len(valid_rows)]
+        tokens = valid_rows.shape[0] * (valid_rows.shape[1] - 1)
+        return [bits_per_byte(np.sum(x, dtype=np.int64), tokens) for x in ll]
 
-    def snapshot():
+    def snapshot(replica: int | None = None):
         """Host copies of the parameters, update rule state and hidden states (every process takes
-        part)."""
-        return *jax.tree.map(host_copy, (params, opt)), host_copy(states)
+        part): of every replica, or of one."""
+        arrays = *jax.tree.map(host_copy, (params, opt)), host_copy(states)
+        return arrays if replica is None or cfg.replicas == 1 else jax.tree.map(lambda x: x[replica], arrays)
 
     diagnose_every = args.log_every or (10 if args.debug else 0)
     probe, probe_rows = make_probe(cfg), valid_rows[:16, :65]  # compiled on first use only
 
     metrics, val_bpb, train_seconds, timed = {}, float("nan"), 0.0, 0
-    tokens_per_generation = cfg.population * cfg.tokens
+    scores, leader = [math.nan] * cfg.replicas, 0  # each replica's last validation, the best replica
+    tokens_per_generation = cfg.population * cfg.tokens * cfg.replicas
     generations = range(first, args.num_epochs)
     bar = tqdm(generations, initial=first, total=args.num_epochs, dynamic_ncols=True, disable=not lead)
     with StopSignal() as stop:
@@ -1947,55 +2084,86 @@ def train(args: Args) -> dict:
             diagnose = diagnose_every and (generation + 1) % diagnose_every == 0
             before = jax.tree.map(host_copy, params) if diagnose else None  # the step donates params
             params, opt, states, fitness, moved = step(
-                params, opt, states, batch, np.int32(generation), thresholds[generation]
+                params,
+                opt,
+                states,
+                batch,
+                np.int32(generation),
+                thresholds(generation),
+                *replica_inputs(cfg, settings),
             )
-            fitness = local_copy(fitness).astype(np.int64)  # process 0's members: logging only
+            # process 0's members: logging only
+            fitness = local_copy(fitness, int(cfg.replicas > 1)).astype(np.int64).reshape(cfg.replicas, -1)
+            moved = np.sum(host_copy(moved).reshape(cfg.replicas, -1), axis=1, dtype=np.int64)
             seconds = time.time() - tick
             if generation == first:
                 log(f"first generation done {time.time() - start:.1f} s after start")
             else:
                 train_seconds, timed = train_seconds + seconds, timed + 1
             done = generation + 1
-            metrics = {
-                "train/bits_per_byte": bits_per_byte(fitness.mean(), cfg.tokens),
-                "train/best_bits_per_byte": bits_per_byte(fitness.max(), cfg.tokens),
-                "train/worst_bits_per_byte": bits_per_byte(fitness.min(), cfg.tokens),
-                "train/moved_fraction": int(np.sum(host_copy(moved), dtype=np.int64)) / num_params,
-                "train/alpha": float(alphas[generation]),
-                "perf/tokens_per_s": tokens_per_generation / seconds,
-                "perf/seconds": seconds,
-            }
+            each = [
+                {
+                    "train/bits_per_byte": bits_per_byte(f.mean(), cfg.tokens),
+                    "train/best_bits_per_byte": bits_per_byte(f.max(), cfg.tokens),
+                    "train/worst_bits_per_byte": bits_per_byte(f.min(), cfg.tokens),
+                    "train/moved_fraction": int(m) / num_params,
+                    "train/alpha": float(schedule(setting)[0][generation]),
+                }
+                for f, m, setting in zip(fitness, moved, settings, strict=True)
+            ]
+            metrics = replica_metrics(each, settings)
+            metrics.update({"perf/tokens_per_s": tokens_per_generation / seconds, "perf/seconds": seconds})
             last = done == args.num_epochs
-            if last or (args.validate_every and done % args.validate_every == 0):
-                val_bpb = validate(params)
-                metrics["val/bits_per_byte"] = val_bpb
+            pbt = args.pbt_every and done % args.pbt_every == 0
+            if last or pbt or (args.validate_every and done % args.validate_every == 0):
+                scores = validate(params)
+                leader = min(range(cfg.replicas), key=lambda k: (scores[k], k))
+                val_bpb = scores[leader]
+                metrics.update(replica_metrics([{"val/bits_per_byte": v} for v in scores], settings))
                 metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
+                spread = describe_spread(scores)
                 log(
-                    f"generation {done}: validation {val_bpb:.2f} bits/byte ({describe_baselines(baselines)})"
+                    f"generation {done}: validation {val_bpb:.2f} bits/byte{spread} "
+                    f"({describe_baselines(baselines)})"
                 )
                 if val_bpb < checkpointer.best:
-                    checkpointer.offer_best(done, *snapshot(), val_bpb)
+                    alone = (
+                        {"replica": leader, "replica_setting": settings[leader]} if cfg.replicas > 1 else {}
+                    )
+                    checkpointer.offer_best(done, *snapshot(leader), val_bpb, alone)
+                if pbt:
+                    source, settings, lineage = pbt_step(scores, settings, args.seed, done)
+                    params, opt, states = copy_replicas((params, opt, states), source)
+                    metrics["pbt/lineage"] = lineage
+                    log(f"generation {done}: population-based training: {describe_lineage(lineage)}")
             if diagnose:
-                seen = jax.tree.map(host_copy, probe(params, probe_rows))
-                values = diagnostics(seen, jax.tree.map(host_copy, params), before)
-                metrics.update(values)
-                if args.debug:
-                    log(f"generation {done} diagnostics:\n{diagnostics_table(values)}")
+                each = []
+                for k in range(cfg.replicas):
+                    mine = replica_of(params, k, cfg)
+                    seen = jax.tree.map(host_copy, probe(mine, probe_rows))
+                    each.append(diagnostics(seen, jax.tree.map(host_copy, mine), replica_of(before, k, cfg)))
+                    if args.debug:
+                        who = f" replica {k}" if cfg.replicas > 1 else ""
+                        log(f"generation {done}{who} diagnostics:\n{diagnostics_table(each[-1])}")
+                metrics.update(replica_metrics(each, settings, summary=False))
             if args.sample_every and done % args.sample_every == 0:
-                text = printable(sample_text(params, cfg, args, args.seed + done))
+                text = printable(sample_text(replica_of(params, leader, cfg), cfg, args, args.seed + done))
                 metrics["samples/text"] = text
                 log(f"generation {done} sample: {args.prompt}{text}")
             record.log(metrics, done)
             stopping = stop_requested(stop)
             if last or stopping or (args.save_every and done % args.save_every == 0):
-                folder = checkpointer.save(done, *snapshot(), val_bpb)
+                folder = checkpointer.save(done, *snapshot(), val_bpb, replica_meta(settings, scores, leader))
                 if stopping:  # every process says so: they all stop after the same generation
                     who = f"process {jax.process_index()}"
                     tqdm.write(f"{who} stopped by signal after generation {done}: saved {folder}")
                     break
             bar.set_postfix(
                 train=f"{metrics['train/bits_per_byte']:.3f}",
-                val=f"{val_bpb:.3f}",
+                val=f"{val_bpb:.3f}"
+                + (
+                    f" (replica {leader}, median {statistics.median(scores):.3f})" if cfg.replicas > 1 else ""
+                ),
                 tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
             )
     bar.close()
@@ -2006,9 +2174,107 @@ def train(args: Args) -> dict:
     if stop.received == signal.SIGINT:
         raise SystemExit(130)
     if not stop.received:
-        log(f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations")
+        best = f" (replica {leader} of {cfg.replicas}, {settings_text(settings[leader])})"
+        best += describe_spread(scores)
+        log(
+            f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations"
+            + best * (cfg.replicas > 1)
+        )
     metrics["params"] = jax.tree.map(host_copy, params)
     return metrics
+
+
+# Population-based training: explore moves each copied setting one step, by one of these factors
+# (alpha > 1, a schedule: its excess over 1; alpha <= 1, a fixed share: itself, at most 1) or by
+# one shift (sigma_shift, within its range)
+PBT_FACTORS = (0.8, 1.25)
+
+
+def explore(setting: dict, rng: np.random.Generator) -> dict:
+    """A copied replica's settings, each moved one random step (PBT_FACTORS)."""
+    f_alpha, f_decay = rng.choice(PBT_FACTORS, 2)
+    alpha = setting["alpha"]
+    alpha = min(alpha * f_alpha, 1.0) if alpha <= 1 else 1 + (alpha - 1) * f_alpha
+    sigma_shift = int(np.clip(setting["sigma_shift"] + rng.choice((-1, 1)), 0, largest_sigma_shift()))
+    decay = max(1, round(setting["alpha_decay_timestep"] * f_decay))
+    return {
+        **setting,
+        "alpha": round(float(alpha), 4),
+        "alpha_decay_timestep": decay,
+        "sigma_shift": sigma_shift,
+    }
+
+
+def pbt_step(scores: list[float], settings: list[dict], seed: int, generation: int):
+    """Exploit and explore: the worst quarter of the replicas by validation bits/byte (ties: the
+    higher index is worse) each copies one of the best quarter (the worst the best, the second
+    worst the second best, ...) and moves the copied settings (explore, from an RNG seeded by
+    --seed and the generation, so a resumed run draws the same); each keeps its own seed, so no two
+    replicas ever share their noise. Returns (the replica each replica's model now comes from,
+    the new settings, the lineage: who copied whom, old -> new settings)."""
+    order = sorted(range(len(scores)), key=lambda k: (scores[k], k))
+    quarter = len(scores) // 4
+    rng = np.random.default_rng([seed, generation])
+    source, new, lineage = np.arange(len(scores), dtype=np.int32), list(settings), []
+    for loser, winner in zip(order[::-1][:quarter], order[:quarter], strict=True):
+        source[loser] = winner
+        new[loser] = {**explore(settings[winner], rng), "seed": settings[loser]["seed"]}
+        lineage.append({"replica": loser, "copied": winner, "old": settings[loser], "new": new[loser]})
+    return source, new, lineage
+
+
+@partial(jax.jit, donate_argnums=0)
+def copy_replicas(trees, source):
+    """Every replica's arrays replaced by those of replica source[k] (itself, or whom it copies)."""
+    return jax.tree.map(lambda x: jnp.take(x, source, axis=0), trees)
+
+
+def settings_text(setting: dict) -> str:
+    return ", ".join(f"{name} {setting[name]:g}" for name in REPLICA_SETTINGS)
+
+
+def describe_lineage(lineage: list[dict]) -> str:
+    return "; ".join(
+        f"replica {x['replica']} copies {x['copied']} "
+        f"({settings_text(x['old'])} -> {settings_text(x['new'])})"
+        for x in lineage
+    )
+
+
+def describe_spread(scores: list[float]) -> str:
+    """' (best of K replicas, median M, worst W)', or nothing for a single run."""
+    if len(scores) == 1:
+        return ""
+    return (
+        f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, worst {max(scores):.2f})"
+    )
+
+
+def replica_metrics(each: list[dict], settings: list[dict], summary: bool = True) -> dict:
+    """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
+    settings (a series of its own in W&B), and with `summary` the best replica's bits/byte under
+    the plain names (what sweeps and the progress bar read)."""
+    if len(each) == 1:
+        return each[0]
+    out = {}
+    for k, (values, setting) in enumerate(zip(each, settings, strict=True)):
+        out.update({f"replica/{k}/{name}": v for name, v in values.items()})
+        out.update({f"replica/{k}/{name}": setting[name] for name in REPLICA_SETTINGS})
+    if summary:
+        out.update({name: min(x[name] for x in each) for name in each[0] if name.endswith("bits_per_byte")})
+    return out
+
+
+def replica_meta(settings: list[dict], scores: list[float], leader: int) -> dict:
+    """What a checkpoint records of the replicas besides their arrays (nothing for a single run)."""
+    if len(settings) == 1:
+        return {}
+    return {"replica_settings": settings, "replica_val_bits_per_byte": scores, "best_replica": leader}
+
+
+def replica_of(tree, k: int, cfg: Config):
+    """Replica k's arrays (a single run's are its own)."""
+    return tree if cfg.replicas == 1 else jax.tree.map(lambda x: x[k], tree)
 
 
 def stop_requested(stop: StopSignal) -> bool:
@@ -2073,14 +2339,28 @@ def sample(args: Args) -> str:
         raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
     folder = find_resume(args.resume, save_dir_of(args))[0]
     try:
-        model = json.loads((folder / "meta.json").read_text())["args"]
+        meta = json.loads((folder / "meta.json").read_text())
+        model = meta["args"]
     except (OSError, ValueError, KeyError):
         raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
+    replicas = 1 if "replica" in meta else model.get("replicas", 1)  # a best-* folder holds one
     model_args = dataclasses.replace(
-        args, n_embd=model["n_embd"], n_layer=model["n_layer"], mlp_relu=model.get("mlp_relu", True)
+        args,
+        n_embd=model["n_embd"],
+        n_layer=model["n_layer"],
+        mlp_relu=model.get("mlp_relu", True),
+        replicas=replicas,
+        **{f"replica_{name}": () for name in REPLICA_SETTINGS},
     )
     cfg = make_config(model_args)
     params = load_checkpoint(folder, cfg)[0]
+    if replicas > 1:
+        chosen = meta.get("best_replica", 0) if args.sample_replica < 0 else args.sample_replica
+        if chosen >= replicas:
+            raise UserError(f"--sample_replica {chosen}: {folder} holds replicas 0 to {replicas - 1}")
+        params = {k: v[chosen] for k, v in params.items()}
+        cfg = cfg._replace(replicas=1)
+        print(f"replica {chosen} of {replicas} ({settings_text(meta['replica_settings'][chosen])})")
     text = args.prompt + printable(sample_text(jax.tree.map(jnp.asarray, params), cfg, args, args.seed))
     print(text)
     return text
@@ -2229,14 +2509,18 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     def prepare(label: str, kind_args: Args, part: str) -> dict:
         """Compile one kind ahead of time and run its first generation."""
         cfg = make_config(kind_args, mesh.size)
-        params = jax.jit(init_params, static_argnums=0)(cfg)
-        params, opt, states = on_mesh(params, init_optimizer(cfg), initial_states(cfg), mesh)
+        settings = replica_settings(kind_args)
+        params, opt, states = on_mesh(*init_replicas(cfg, settings), mesh)
         batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
         kind = dict(label=label, cfg=cfg, batch=global_array(batch, mesh, spec()), seconds=[])
-        kind["thresholds"] = z_thresholds(dataclasses.replace(kind_args, num_epochs=1), cfg)[0]
+        one = [replica_args(dataclasses.replace(kind_args, num_epochs=1), s) for s in settings]
+        kind["thresholds"] = np.stack([z_thresholds(a, cfg)[0] for a in one]).squeeze(
+            0 if cfg.replicas == 1 else ()
+        )
+        kind["inputs"] = (kind["thresholds"], *replica_inputs(cfg, settings))
         tick = time.time()
         lowered = make_generation_step(cfg, mesh, part).lower(
-            params, opt, states, kind["batch"], np.int32(0), kind["thresholds"]
+            params, opt, states, kind["batch"], np.int32(0), *kind["inputs"]
         )
         kind["step"] = lowered.compile()
         kind["compile"] = time.time() - tick
@@ -2250,7 +2534,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     def time_generation(kind: dict, generation: int) -> float:
         tick = time.time()
         *kind["carry"], _, _ = jax.block_until_ready(
-            kind["step"](*kind["carry"], kind["batch"], np.int32(generation), kind["thresholds"])
+            kind["step"](*kind["carry"], kind["batch"], np.int32(generation), *kind["inputs"])
         )
         kind["seconds"].append(time.time() - tick)
         return kind["seconds"][-1]
@@ -2260,6 +2544,13 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         prepare("b fitness only", args, "fitness"),
         prepare("c inference", args, "inference"),
     ]
+    if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
+        alone = {f"replica_{name}": () for name in REPLICA_SETTINGS}
+        members = args.parallel_generations_per_gpu * args.replicas
+        whole = dataclasses.replace(
+            args, replicas=1, parallel_generations_per_gpu=members, pbt_every=0, **alone
+        )
+        kinds.append(prepare(f"e one run of {members * mesh.size}", whole, "train"))
     full_rank = dataclasses.replace(args, rank=0)
     cfg = kinds[0]["cfg"]
     notes, rounds, full_rank_rounds = [], args.num_epochs, args.num_epochs
@@ -2274,7 +2565,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
             del probe  # its buffers
         (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
         growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
-        estimate = t_large * (cfg.population / large) ** growth
+        estimate = t_large * (cfg.population / large) ** growth * cfg.replicas
         left = budget - (time.time() - start)
         per_round = sum(kind["first"] for kind in kinds)
         # d gets at most half of what is left, for its first generation and the timed ones
@@ -2296,7 +2587,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     if full_rank_rounds >= 1:
         kinds.append(prepare("d full-rank ES", full_rank, "train"))
     # full-rank ES runs last and alone: its large buffers, allocated and freed, slow whatever follows
-    for group, count in ((kinds[:3], rounds), (kinds[3:], full_rank_rounds)):
+    turns = [kind for kind in kinds if not kind["label"].startswith("d")]
+    for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
         for generation in range(1, 1 + count):
             for kind in group:
                 time_generation(kind, generation)
@@ -2305,7 +2597,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     memory_kind = peak_memory()[1]
     model = f"model {args.n_embd}D-{args.n_layer}L ({num_parameters(cfg):,} parameters)"
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
-    timed = f"median of {rounds} generations each (a, b, c taking turns)"
+    members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
+    timed = f"median of {rounds} generations each ({', '.join(k['label'][0] for k in turns)} taking turns)"
     print(f"device: {mesh.size} x {device.platform} ({device.device_kind}); {model}; {members}; {timed}")
     memory_header = f"peak {memory_kind} GiB"
     print(
@@ -2313,7 +2606,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     )
     for kind in kinds:
         seconds = float(np.median(kind["seconds"]))
-        rate[kind["label"][0]] = cfg.population * cfg.tokens / seconds
+        members = kind["cfg"].population * kind["cfg"].replicas
+        rate[kind["label"][0]] = members * kind["cfg"].tokens / seconds
         print(
             f"{kind['label']:18} {rate[kind['label'][0]]:12,.0f} {seconds:13.4f} {kind['compile']:10.1f} "
             f"{kind['memory']:18.2f} {kind['temporaries']:9,.1f}"
@@ -2329,6 +2623,11 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         f"peak RSS: this process {peak_rss():.2f} GiB, a bare JAX process on this machine (import, one "
         f"jitted int8 dot) {bare:.2f} GiB"
     )
+    if "e" in rate:
+        print(
+            f"{cfg.replicas} replicas of population {cfg.population} / one run of "
+            f"{cfg.replicas * cfg.population} (a/e): {rate['a'] / rate['e']:.1%}"
+        )
     for note in notes:
         print(f"note: {note}")
     return rate

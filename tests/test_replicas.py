@@ -1,0 +1,198 @@
+"""Replicas (--replicas) and population-based training (--pbt_every): one replica is today's run
+bit for bit, each replica of several is the same settings run alone, the exploit step copies
+exactly, and a PBT run resumes and spreads over devices bit for bit."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import CACHE, in_process, one_line_error
+from test_devices import launch, wait
+
+import run
+
+TINY = (
+    f"--data stdlib --dir_path {CACHE} --n_embd 8 --n_layer 2 --parallel_generations_per_gpu 16 "
+    "--group_size 4 --tokens_per_update 8 --validation_batch_size 8 --validation_tokens 16 --alpha 0.2"
+).split()
+# three replicas: a fixed share, and two schedules with their own decay, each its own sigma_shift
+THREE = (
+    "--replicas 3 --replica_alpha 0.2 4 3 --replica_alpha_decay_timestep 1000 5 3 --replica_sigma_shift 3 4 5"
+).split()
+FOUR_PBT = "--replicas 4 --replica_alpha 0.05 0.2 3 4 --replica_sigma_shift 2 4 5 4 --pbt_every 2".split()
+
+
+def arrays(folder: Path) -> dict[str, np.ndarray]:
+    """Every array of a checkpoint, keyed FILE/NAME."""
+    out = {}
+    for name in ("params.npz", "states.npz", "optimizer.npz"):
+        with np.load(folder / name) as f:
+            out.update({f"{name}/{k}": f[k] for k in f.files})
+    return out
+
+
+def records(runs: Path) -> list[dict]:
+    (path,) = runs.glob("*/metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train(capsys, runs: Path, *flags) -> str:
+    result = in_process(capsys, *TINY, "--runs_dir", str(runs), "--save_every", "2", *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout + result.stderr
+
+
+def final(runs: Path, generation: int) -> Path:
+    (folder,) = runs.glob(f"*/checkpoints/gen-{generation:08d}")
+    return folder
+
+
+# sha256 (first 16 hex digits) of the sorted parameters after 6 generations of TINY, and the
+# validation bits/byte, recorded with the commit before --replicas existed (7db3dcc)
+BEFORE_REPLICAS = {
+    (): ("524cf407b610e691", 8.691680908203125),
+    ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
+}
+
+
+@pytest.mark.parametrize("flags", list(BEFORE_REPLICAS))
+def test_one_replica_is_the_run_from_before_replicas_bit_for_bit(tmp_path, flags):
+    for replicas in ([], ["--replicas", "1"]):
+        metrics = run.train(
+            run.parse_args(
+                [
+                    *TINY,
+                    "--num_epochs",
+                    "6",
+                    "--runs_dir",
+                    str(tmp_path / str(len(replicas))),
+                    "--save_every",
+                    "0",
+                    *flags,
+                    *replicas,
+                ]
+            )
+        )
+        params = metrics["params"]
+        digest = hashlib.sha256(b"".join(np.asarray(params[k]).tobytes() for k in sorted(params)))
+        assert (digest.hexdigest()[:16], metrics["val/bits_per_byte"]) == BEFORE_REPLICAS[flags]
+
+
+def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
+    train(capsys, tmp_path / "three", *THREE, "--num_epochs", "4", "--validate_every", "2")
+    together = arrays(final(tmp_path / "three", 4))
+    logged = records(tmp_path / "three")
+    settings = run.replica_settings(run.parse_args([*TINY, *THREE]))
+    for k, setting in enumerate(settings):
+        alone_flags = [f"--{name}={value}" for name, value in setting.items()]
+        train(capsys, tmp_path / f"alone{k}", *alone_flags, "--num_epochs", "4", "--validate_every", "2")
+        alone = arrays(final(tmp_path / f"alone{k}", 4))
+        assert together.keys() == alone.keys()
+        for key, value in alone.items():
+            assert np.array_equal(together[key][k], value), (k, key)
+        alone_val = [
+            r["val/bits_per_byte"] for r in records(tmp_path / f"alone{k}") if "val/bits_per_byte" in r
+        ]
+        mine = [r[f"replica/{k}/val/bits_per_byte"] for r in logged if f"replica/{k}/val/bits_per_byte" in r]
+        assert mine == alone_val and len(mine) == 2
+    # the plain names carry the best replica's validation
+    assert [r["val/bits_per_byte"] for r in logged if "val/bits_per_byte" in r] == [
+        min(r[f"replica/{k}/val/bits_per_byte"] for k in range(3)) for r in logged if "val/bits_per_byte" in r
+    ]
+
+
+def test_pbt_step_ranks_copies_and_explores_deterministically():
+    scores = [5.0, 3.0, 4.0, 6.0, 2.0, 7.0, 1.0, 8.0]  # best: 6, 4; worst: 7, 5
+    settings = [
+        dict(seed=10 + k, alpha=4.0 - k / 4, alpha_decay_timestep=1000, sigma_shift=k % 7) for k in range(8)
+    ]
+    source, new, lineage = run.pbt_step(scores, settings, seed=0, generation=20)
+    assert source.tolist() == [0, 1, 2, 3, 4, 4, 6, 6]
+    assert [(x["replica"], x["copied"]) for x in lineage] == [(7, 6), (5, 4)]
+    for loser, winner in ((7, 6), (5, 4)):
+        old, got = settings[winner], new[loser]
+        assert got["seed"] == settings[loser]["seed"]  # its own noise, never a copy of another's
+        assert got["alpha"] in (round(1 + (old["alpha"] - 1) * f, 4) for f in run.PBT_FACTORS)
+        assert got["alpha_decay_timestep"] in (800, 1250)
+        assert abs(got["sigma_shift"] - old["sigma_shift"]) == 1 or got["sigma_shift"] in (0, 6)
+    assert [new[k] for k in (0, 1, 2, 3, 4, 6)] == [settings[k] for k in (0, 1, 2, 3, 4, 6)]
+    assert run.pbt_step(scores, settings, seed=0, generation=20)[1] == new  # the same draw on resume
+    # ties: the lower index ranks better; fixed shares stay at most 1
+    shares = [dict(s, alpha=0.9) for s in settings[:4]]
+    source, new, _ = run.pbt_step([1.0] * 4, shares, seed=1, generation=2)
+    assert source.tolist() == [0, 1, 2, 0] and new[3]["alpha"] in (0.72, 1.0)
+    trees = {"w": np.arange(24, dtype=np.int8).reshape(4, 6), "m": np.arange(8, dtype=np.int16).reshape(4, 2)}
+    copied = run.copy_replicas(trees, np.array([0, 1, 2, 0], np.int32))
+    for k, j in enumerate([0, 1, 2, 0]):
+        assert all(np.array_equal(np.asarray(copied[n][k]), trees[n][j]) for n in trees)
+
+
+def test_pbt_copies_exactly_and_a_resumed_pbt_run_is_bit_identical(tmp_path, capsys):
+    out = train(capsys, tmp_path / "whole", *FOUR_PBT, "--num_epochs", "4")
+    assert "population-based training: replica" in out
+    logged = {r["generation"]: r for r in records(tmp_path / "whole")}
+    (copy,) = logged[2]["pbt/lineage"]  # 4 replicas: the worst copies the best
+    after = arrays(final(tmp_path / "whole", 2))  # saved after the exploit step
+    for key, value in after.items():
+        assert np.array_equal(value[copy["replica"]], value[copy["copied"]]), key
+    meta = json.loads((final(tmp_path / "whole", 2) / "meta.json").read_text())
+    assert meta["replica_settings"][copy["replica"]] == copy["new"]
+    train(capsys, tmp_path / "parts", *FOUR_PBT, "--num_epochs", "2")
+    train(capsys, tmp_path / "parts", *FOUR_PBT, "--num_epochs", "4", "--resume", "auto")
+    whole, parts = arrays(final(tmp_path / "whole", 4)), arrays(final(tmp_path / "parts", 4))
+    assert all(np.array_equal(whole[k], parts[k]) for k in whole)
+    metas = [json.loads((final(tmp_path / x, 4) / "meta.json").read_text()) for x in ("whole", "parts")]
+    assert metas[0]["replica_settings"] == metas[1]["replica_settings"]
+    strip = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records(tmp_path / "whole")]
+    again = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records(tmp_path / "parts")]
+    assert strip == again
+    # --sample picks the best replica of the last validation, or the one asked for
+    sampled = in_process(
+        capsys, "--sample", "--resume", str(final(tmp_path / "whole", 4)), "--max_new_bytes", "8"
+    )
+    assert f"replica {metas[0]['best_replica']} of 4" in sampled.stdout
+    one_line_error(
+        in_process(
+            capsys, "--sample", "--resume", str(final(tmp_path / "whole", 4)), "--sample_replica", "4"
+        ),
+        "--sample_replica 4",
+    )
+
+
+def test_pbt_replicas_on_one_and_four_devices_agree_bit_for_bit(tmp_path):
+    flags = [*FOUR_PBT, "--num_epochs", "4", "--num_perturbations", "8", "--save_every", "0"]
+    procs = {
+        "one": launch(1, [*flags, "--parallel_generations_per_gpu", "32"], tmp_path / "one"),
+        "four": launch(4, [*flags, "--parallel_generations_per_gpu", "8"], tmp_path / "four"),
+    }
+    outs = dict(zip(procs, wait(*procs.values()), strict=True))
+    assert "4 replicas of" in outs["four"] and "on 4 cpu device(s)" in outs["four"]
+    got = {layout: arrays(final(tmp_path / layout, 4)) for layout in procs}
+    assert all(np.array_equal(got["one"][k], got["four"][k]) for k in got["one"])
+    lineage = {layout: [r.get("pbt/lineage") for r in records(tmp_path / layout)] for layout in procs}
+    assert lineage["one"] == lineage["four"] and lineage["one"][1]
+
+
+BAD = [
+    (["--replicas", "0"], "--replicas must be positive, got 0"),
+    (
+        ["--replicas", "3", "--replica_alpha", "3", "4"],
+        "--replica_alpha has 2 value(s): give one per replica",
+    ),
+    (["--replicas", "2", "--replica_sigma_shift", "4", "9"], "got 9 (replica 1)"),
+    (["--replicas", "2", "--replica_alpha", "4", "0"], "--alpha must be > 0"),
+    (
+        ["--replicas", "2", "--replica_alpha_decay_timestep", "0", "5"],
+        "--alpha_decay_timestep must be positive",
+    ),
+    (["--replicas", "3", "--pbt_every", "5"], "--pbt_every needs --replicas 4 or more"),
+    (["--pbt_every", "-1"], "--pbt_every must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+def test_bad_replica_flags_are_refused_with_one_line(tmp_path, capsys, flags, message):
+    one_line_error(in_process(capsys, *TINY, "--runs_dir", str(tmp_path), *flags), message)
+    assert not any(tmp_path.iterdir())
