@@ -1,6 +1,7 @@
 """Learning comparison: train named variants of run.py on the same data for several seeds and print
 one table of validation bits/byte (mean +- sample standard deviation over the seeds) at fixed
-generations and at a fixed wall time, beside the unigram and bigram baselines.
+generations and at a fixed wall time, beside the unigram and bigram baselines. A variant that
+trains replicas (--replicas) reports its best replica, and in a second row its median replica.
 
     python compare.py --data english.txt stdlib --variants "egg=" "upstream=--algorithm upstream" \
         --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
@@ -77,20 +78,25 @@ def corpus_label(corpus: str) -> str:
 def read_run(folder: Path) -> dict:
     """{generation: validation bits/byte}, training seconds to each generation, and baselines."""
     lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    seconds, elapsed, validation, baselines = 0.0, {}, {}, {}
+    seconds, elapsed, validation, median, baselines = 0.0, {}, {}, {}, {}
     for line in lines:
         seconds += line.get("perf/seconds", 0.0) if line["generation"] > 1 else 0.0  # 1 compiles
         elapsed[line["generation"]] = seconds
-        if "val/bits_per_byte" in line:
+        if "val/bits_per_byte" in line:  # with --replicas: the best replica's
             validation[line["generation"]] = line["val/bits_per_byte"]
             baselines = {k[4:-14]: v for k, v in line.items() if k.endswith("gram_bits_per_byte")}
-    return {"validation": validation, "elapsed": elapsed, "baselines": baselines}
+            replicas = [
+                v for k, v in line.items() if k.startswith("replica/") and k.endswith("/val/bits_per_byte")
+            ]
+            if replicas:
+                median[line["generation"]] = statistics.median(replicas)
+    return {"validation": validation, "median": median, "elapsed": elapsed, "baselines": baselines}
 
 
-def at_wall_time(run: dict, seconds: float) -> float:
+def at_wall_time(run: dict, seconds: float, key: str = "validation") -> float:
     """The last validation reached within `seconds` of training."""
-    reached = [g for g in run["validation"] if run["elapsed"][g] <= seconds]
-    return run["validation"][max(reached)] if reached else float("nan")
+    reached = [g for g in run[key] if run["elapsed"][g] <= seconds]
+    return run[key][max(reached)] if reached else float("nan")
 
 
 def summarise(values: list[float]) -> str:
@@ -107,14 +113,19 @@ def table(args: CompareArgs, results: dict) -> str:
     ]
     rows = [" ".join(header)]
     for name in parse_variants(args.variants):
-        cells = []
-        for corpus in args.data:
-            runs = results[corpus][name]
-            for g in args.report_at:
-                cells.append(summarise([r["validation"][g] for r in runs if g in r["validation"]]))
-            if args.wall_seconds:
-                cells.append(summarise([at_wall_time(r, args.wall_seconds) for r in runs]))
-        rows.append(" ".join([f"{name:12}"] + [c.rjust(22) for c in cells]))
+        # a variant with --replicas: its best replica, and a second row for the median replica
+        with_replicas = any(r["median"] for runs in (results[c][name] for c in args.data) for r in runs)
+        for key, label in (("validation", name), ("median", f"{name}, median")):
+            if key == "median" and not with_replicas:
+                continue
+            cells = []
+            for corpus in args.data:
+                runs = results[corpus][name]
+                for g in args.report_at:
+                    cells.append(summarise([r[key][g] for r in runs if g in r[key]]))
+                if args.wall_seconds:
+                    cells.append(summarise([at_wall_time(r, args.wall_seconds, key) for r in runs]))
+            rows.append(" ".join([f"{label:12}"] + [c.rjust(22) for c in cells]))
     for baseline in ("unigram", "bigram"):
         cells = []
         for corpus in args.data:

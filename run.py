@@ -270,10 +270,15 @@ def replica_settings(args: Args) -> list[dict]:
     ]
 
 
+def single_run(args: Args, **changes) -> Args:
+    """These flags without replicas (and PBT), with `changes`."""
+    lists = {f"replica_{name}": () for name in REPLICA_SETTINGS}
+    return dataclasses.replace(args, **{"replicas": 1, "pbt_every": 0, **lists, **changes})
+
+
 def replica_args(args: Args, setting: dict) -> Args:
     """The flags of a run of this one replica alone."""
-    alone = {f"replica_{name}": () for name in REPLICA_SETTINGS}
-    return dataclasses.replace(args, replicas=1, pbt_every=0, **alone, **setting)
+    return single_run(args, **setting)
 
 
 def make_config(args: Args, devices: int = 1) -> Config:
@@ -1515,7 +1520,7 @@ def load_checkpoint(folder: Path, cfg: Config):
     got = {k: v.shape for k, v in params.items()}
     if got != want or any(v.dtype != np.int8 for v in params.values()):
         model = meta.get("args", {})
-        held, mine = model.get("replicas", 1), cfg.replicas
+        held, mine = 1 if "replica" in meta else model.get("replicas", 1), cfg.replicas  # best-*: one
         raise UserError(
             f"checkpoint {folder} holds {f'{held} replicas of ' if held > 1 else ''}a "
             f"{model.get('n_embd')}D-{model.get('n_layer')}L model; this run is "
@@ -1799,6 +1804,8 @@ class RunRecord:
 
                 self.samples.append([generation, metrics["samples/text"]])
                 metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
+            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
+            metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
             self.wandb.log(metrics, step=generation)
 
     def close(self) -> None:
@@ -2344,13 +2351,12 @@ def sample(args: Args) -> str:
     except (OSError, ValueError, KeyError):
         raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
     replicas = 1 if "replica" in meta else model.get("replicas", 1)  # a best-* folder holds one
-    model_args = dataclasses.replace(
+    model_args = single_run(
         args,
         n_embd=model["n_embd"],
         n_layer=model["n_layer"],
         mlp_relu=model.get("mlp_relu", True),
         replicas=replicas,
-        **{f"replica_{name}": () for name in REPLICA_SETTINGS},
     )
     cfg = make_config(model_args)
     params = load_checkpoint(folder, cfg)[0]
@@ -2545,11 +2551,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         prepare("c inference", args, "inference"),
     ]
     if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
-        alone = {f"replica_{name}": () for name in REPLICA_SETTINGS}
         members = args.parallel_generations_per_gpu * args.replicas
-        whole = dataclasses.replace(
-            args, replicas=1, parallel_generations_per_gpu=members, pbt_every=0, **alone
-        )
+        whole = single_run(args, parallel_generations_per_gpu=members)
         kinds.append(prepare(f"e one run of {members * mesh.size}", whole, "train"))
     full_rank = dataclasses.replace(args, rank=0)
     cfg = kinds[0]["cfg"]
@@ -2580,7 +2583,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         left -= max(full_rank_rounds + 1, 0) * estimate
         rounds = max(3, min(args.num_epochs, int(left / per_round)))
         notes.append(
-            f"no --num_epochs: timed {rounds} generation(s) of a, b, c"
+            f"no --num_epochs: timed {rounds} generation(s) of {', '.join(k['label'][0] for k in kinds)}"
             + (f" and {full_rank_rounds} of d" if full_rank_rounds >= 1 else "")
             + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
         )

@@ -50,6 +50,41 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
         assert rows[kind].split()[1:] == [f"{value:.3f}"] * 3
 
 
+def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(tmp_path):
+    corpus = tmp_path / "text_train.bin"
+    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
+    tiny = "--n_embd 8 --n_layer 1 --parallel_generations_per_gpu 16 --tokens_per_update 8"
+    args = compare.CompareArgs(
+        variants=("four=--replicas 4 --replica_alpha 0.1 0.2 0.3 0.5",),
+        data=(str(corpus),),
+        seeds=(0, 1),
+        num_epochs=2,
+        report_at=(2,),
+        validate_every=2,
+        flags=f"{tiny} --validation_batch_size 4 --validation_tokens 16 --dir_path {CACHE}",
+        runs_dir=str(tmp_path / "runs"),
+    )
+    rows = compare.compare(args).splitlines()[1:3]
+    (folder,) = (tmp_path / "runs").iterdir()
+    best, median = [], []
+    for seed in (0, 1):
+        (line,) = [json.loads(x) for x in (folder / f"four-text_train-seed{seed}" / "metrics.jsonl").open()][
+            1:
+        ]
+        replicas = [line[f"replica/{k}/val/bits_per_byte"] for k in range(4)]
+        best.append(line["val/bits_per_byte"])
+        median.append(statistics.median(replicas))
+        assert best[-1] == min(replicas)
+    assert rows[0].split() == ["four", f"{statistics.mean(best):.3f}", "+-", f"{statistics.stdev(best):.3f}"]
+    assert rows[1].split() == [
+        "four,",
+        "median",
+        f"{statistics.mean(median):.3f}",
+        "+-",
+        f"{statistics.stdev(median):.3f}",
+    ]
+
+
 def test_bad_variants_and_reporting_points_are_refused():
     with pytest.raises(SystemExit, match="NAME=FLAGS"):
         compare.parse_variants(("a=", "a=--alpha 2"))

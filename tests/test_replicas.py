@@ -4,11 +4,12 @@ exactly, and a PBT run resumes and spreads over devices bit for bit."""
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CACHE, in_process, one_line_error
+from helpers import CACHE, cli, in_process, one_line_error
 from test_devices import launch, wait
 
 import run
@@ -196,3 +197,21 @@ BAD = [
 def test_bad_replica_flags_are_refused_with_one_line(tmp_path, capsys, flags, message):
     one_line_error(in_process(capsys, *TINY, "--runs_dir", str(tmp_path), *flags), message)
     assert not any(tmp_path.iterdir())
+
+
+def test_each_replica_is_its_own_series_in_wandb_with_lineage_and_diagnostics(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    flags = [*TINY, *FOUR_PBT, "--num_epochs", "2", "--track", "--log_every", "2", "--debug"]
+    result = cli(*flags, "--runs_dir", str(tmp_path / "runs"), env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "generation 2 replica 3 diagnostics:" in result.stdout
+    assert "(best of 4 replicas, median" in result.stdout
+    (line,) = [r for r in records(tmp_path / "runs") if r["generation"] == 2]
+    for k in range(4):
+        assert f"replica/{k}/diag/param_emb/moved" in line and f"replica/{k}/sigma_shift" in line
+    (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    raw = log.read_bytes()
+    for k in range(4):
+        key = f"replica/{k}/val/bits_per_byte"
+        assert key.encode() in raw and json.dumps(line[key]).encode() in raw
+    assert b"pbt/lineage" in raw and json.dumps(json.dumps(line["pbt/lineage"])).encode()[1:-1] in raw

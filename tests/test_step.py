@@ -197,3 +197,13 @@ def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(c
     assert run.flag_given(["--benchmark", "--num-epochs=3"], "num_epochs")
     assert run.flag_given(["--num_epochs", "3"], "num_epochs")
     assert not run.flag_given(["--benchmark", "--n_embd", "8"], "num_epochs")
+
+
+def test_benchmark_of_replicas_times_one_run_of_as_many_members_beside_them(capsys):
+    rate = run.benchmark(benchmark_args(replicas=2, replica_sigma_shift=(3, 5)), budget=0.0)
+    assert set(rate) == {"a", "b", "c", "e"} and all(v > 0 for v in rate.values())
+    out = capsys.readouterr().out
+    assert "2 replicas, each population 16" in out and "(a, b, c, e taking turns)" in out
+    assert "e one run of 32" in out and "timed 3 generation(s) of a, b, c, e" in out
+    ratio = float(re.search(r"2 replicas of population 16 / one run of 32 \(a/e\): ([0-9.]+)%", out).group(1))
+    assert abs(ratio - 100 * rate["a"] / rate["e"]) < 0.1
