@@ -50,10 +50,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(flags, runs):
-    """Population 64 as 2 processes x 2 devices x 16, on 127.0.0.1."""
+def two_processes(flags, runs, members: int = 16):
+    """2 processes x 2 devices x `members` (population 64 by default), on 127.0.0.1."""
     hosts = ["--coord_addr", f"127.0.0.1:{free_port()}", "--num_procs", "2", "--proc_id"]
-    return [launch(2, [*flags, "--parallel_generations_per_gpu", "16", *hosts, str(i)], runs) for i in (0, 1)]
+    each = ["--parallel_generations_per_gpu", str(members)]
+    return [launch(2, [*flags, *each, *hosts, str(i)], runs) for i in (0, 1)]
 
 
 def layouts(flags, runs):
