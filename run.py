@@ -585,58 +585,82 @@ def generation_noise(cfg: Config, generation):
 # (+ repeat * 2 * distinct_pairs), side 0 adds the noise and side 1 subtracts it.
 
 
-def population_fitness(params, noise, states, inputs, targets, cfg: Config):
+def population_fitness(params, noise, states, inputs, targets, cfg: Config, sigma_shift=None):
     """Fitness (log2-likelihood sums at LL_FRAC) of M members and their new states.
     states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D,
     or None for the noise-free model (inference and validation, M even).
 
     The token scan is outermost and the members are vmapped inside it, laid out (repeats, D, 2)
     with layer axes first, so the layer scan slices its inputs without copies. What stays fixed
-    over the tokens is built once: each member's perturbed vectors."""
+    over the tokens is built once: each member's perturbed vectors.
+
+    Replicas: params, noise and states with a leading (K,) axis (states (K, M, L, n)), the same
+    inputs for all, sigma_shift (K,) int32 (None: cfg's, e.g. without noise); fitness (K, M). The
+    replica axis is one more member axis, inside the token and layer scans like the others (a vmap
+    of this function around the scans would slice layers off a second axis at every token: 25%
+    slower on a CPU)."""
     tables = make_tables(cfg.rank)
     params = jax.tree.map(jnp.asarray, params)
-    members = states.shape[0]
-    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[0]
+    lead = states.ndim - 3  # 1 with replicas
+    replicas, members = (states.shape[0] if lead else 1), states.shape[lead]
+    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[lead]
     layout = (members // (2 * distinct), distinct, 2)
     signs = jnp.array([1, -1], i32)
+    sigmas = jnp.full((replicas,), cfg.sigma_shift, i32) if sigma_shift is None else sigma_shift
 
-    def layer_first(x, name):  # (D, L, ...) -> (L, D, ...) for block parameters
-        return jnp.moveaxis(x, 1, 0) if name in BLOCK_NAMES else x
+    def layer_first(x, name):  # ([K,] D, L, ...) -> (L, [K,] D, ...) for block parameters
+        return jnp.moveaxis(x, lead + 1, 0) if name in BLOCK_NAMES else x
 
-    member_params, member_noise, axes, noise_axes = {}, {}, {}, {}
+    def sided(p, nz, sigma):  # perturbed vectors (2, D, [L,] n) -> ([L,] D, 2, n)
+        out = jax.vmap(lambda sign: vector(p, nz, sign, sigma))(signs)
+        return jnp.moveaxis(out, (0, 1), (2, 1)) if out.ndim == 4 else jnp.swapaxes(out, 0, 1)
+
+    member_params, member_noise, axes, noise_axes, replica_axes, replica_noise_axes = ({} for _ in range(6))
     for name in PARAM_NAMES:
         block = name in BLOCK_NAMES
-        if noise is None or name in MATRICES:  # shared by every member
-            member_params[name], axes[name] = params[name], None
+        if noise is None or name in MATRICES:  # shared by every member (of a replica)
+            member_params[name] = jnp.moveaxis(params[name], lead, 0) if block else params[name]
+            axes[name], replica_axes[name] = None, 1 if block else 0
             member_noise[name] = (
                 None if noise is None else jax.tree.map(partial(layer_first, name=name), noise[name])
             )
-            noise_axes[name] = None if noise is None else 1 if block else 0
-        else:  # perturbed vectors (2, D, [L,] n) -> ([L,] D, 2, n)
-            sided = jax.vmap(lambda s, n=name: vector(params[n], noise[n], s, cfg.sigma_shift))(signs)
-            member_params[name] = jnp.moveaxis(sided, (0, 1), (2, 1)) if block else jnp.swapaxes(sided, 0, 1)
-            member_noise[name], axes[name], noise_axes[name] = None, 1 if block else 0, None
+            noise_axes[name] = replica_noise_axes[name] = None if noise is None else 1 if block else 0
+        else:
+            if lead:  # ([L,] K, D, 2, n)
+                out = jax.vmap(sided)(params[name], noise[name], sigmas)
+                member_params[name] = jnp.moveaxis(out, 0, 1) if block else out
+            else:
+                member_params[name] = sided(params[name], noise[name], cfg.sigma_shift)
+            axes[name] = replica_axes[name] = 1 if block else 0
+            member_noise[name], noise_axes[name], replica_noise_axes[name] = None, None, None
 
-    def member(p, nz, sign, h, tok):
-        logits, h, _ = token_logits(p, nz, sign, h, tok, cfg, tables)
+    def member(p, nz, sign, h, tok, sigma):
+        c = cfg if sigma is None else cfg._replace(sigma_shift=sigma)
+        logits, h, _ = token_logits(p, nz, sign, h, tok, c, tables)
         return logits, h
 
-    by_side = jax.vmap(member, in_axes=(axes, None, 0, 1, 0), out_axes=(0, 1))
-    by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0), out_axes=(0, 1))
-    by_repeat = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0), out_axes=(0, 1))
+    by_side = jax.vmap(member, in_axes=(axes, None, 0, 1, 0, None), out_axes=(0, 1))
+    by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0, None), out_axes=(0, 1))
+    by_members = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0, None), out_axes=(0, 1))
+    if lead:
+        by_members = jax.vmap(
+            by_members, in_axes=(replica_axes, replica_noise_axes, None, 1, None, 0), out_axes=(0, 1)
+        )
 
     def step(h, io):
         tok, target = io
-        logits, h = by_repeat(member_params, member_noise, signs, h, tok)
+        logits, h = by_members(member_params, member_noise, signs, h, tok, sigmas if lead else None)
+        target = jnp.broadcast_to(target, (replicas,) + target.shape)
         ll = jax.vmap(log2_likelihood, in_axes=(0, 0, None))(
-            logits.reshape(members, VOCAB), target.reshape(members), tables
+            logits.reshape(replicas * members, VOCAB), target.reshape(replicas * members), tables
         )
-        return h, ll
+        return h, ll.reshape(states.shape[: lead + 1])
 
-    h = jnp.moveaxis(states.reshape(layout + states.shape[1:]), 3, 0)  # (L, R, D, 2, n)
+    h = states.reshape(states.shape[:lead] + layout + states.shape[lead + 1 :])
+    h = jnp.moveaxis(h, lead + 3, 0)  # (L, [K,] R, D, 2, n)
     io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))
     h, ll = jax.lax.scan(step, h, io)
-    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, 3).reshape(states.shape)
+    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, lead + 3).reshape(states.shape)
 
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
@@ -918,6 +942,11 @@ def population_mesh(devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices or jax.devices()), (POP,))
 
 
+def population_spec(replica_axes: int) -> jax.sharding.PartitionSpec:
+    """States and fitness: spread over the population axis, after the replica axis if any."""
+    return jax.sharding.PartitionSpec(*(None,) * replica_axes, POP)
+
+
 def pair_mean(states):
     """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
     of their two hidden states, rounded half away from zero (int8: |mean| <= 127)."""
@@ -937,61 +966,71 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     its replicated parameters and update rule state. For --benchmark, part="fitness" stops before
     the update and part="inference" runs the same members and tokens without noise.
 
-    With cfg.replicas = K > 1 the replicas are a vmap of this same step: params, opt, states and
+    With cfg.replicas = K > 1 every replica runs this same step: params, opt, states and
     thresholds have a leading (K,) axis (the states sharded on their second), and step takes two
     more (K,) int32 arguments, each replica's seed and sigma_shift, traced where a single run has
-    them static (shifts by a traced amount are the same integer operations).
+    them static (shifts by a traced amount are the same integer operations). The noise, the
+    shaping and the update are vmapped over the replicas; the population fitness takes the
+    replica axis as one more member axis (population_fitness).
     """
     spec = jax.sharding.PartitionSpec
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
+    lead = int(cfg.replicas > 1)  # the replica axis, if any
+
+    def each(f, *xs):
+        """f of every replica (a vmap over the replica axis), or of the single run."""
+        return jax.vmap(f)(*xs) if lead else f(*xs)
 
     def local_step(params, opt, states, batch, generation, thresholds, seed=None, sigma_shift=None):
-        c = cfg if seed is None else cfg._replace(seed=seed, sigma_shift=sigma_shift)  # a replica's
         first = jax.lax.axis_index(POP) * members
-        tokens = batch[(first + jnp.arange(members)) // c.group_size]  # (members, T + 1)
-        nothing = jnp.zeros((), i32)
-        if c.shared_pair_state:
-            states = pair_mean(states)
+        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
+        inputs, targets, nothing = tokens[:, :-1], tokens[:, 1:], jnp.zeros((), i32)
+        if cfg.shared_pair_state:
+            states = each(pair_mean, states)
         if part == "inference":
-            fitness, states = population_fitness(params, None, states, tokens[:, :-1], tokens[:, 1:], c)
+            fitness, states = population_fitness(params, None, states, inputs, targets, cfg)
             return params, opt, states, fitness, nothing
-        noise = generation_noise(c, generation)  # every pair's: the update needs them all
-        offset = (first // 2) % c.distinct_pairs
-        local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct), noise)
-        fitness, states = population_fitness(params, local, states, tokens[:, :-1], tokens[:, 1:], c)
+        # every pair's noise (the update needs them all), from each replica's seed
+        if lead:
+            noise = jax.vmap(lambda s: generation_noise(cfg._replace(seed=s), generation))(seed)
+        else:
+            noise = generation_noise(cfg, generation)
+        offset = (first // 2) % cfg.distinct_pairs
+        local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead), noise)
+        fitness, states = population_fitness(params, local, states, inputs, targets, cfg, sigma_shift)
         if part == "fitness":
             return params, opt, states, fitness, nothing
-        scores = jax.lax.all_gather(shape_fitness(fitness, c, POP), POP, tiled=True)
-        params, opt, moved = es_update(params, opt, noise, scores, thresholds, c)
+        scores = jax.lax.all_gather(
+            each(partial(shape_fitness, cfg=cfg, axis=POP), fitness), POP, axis=lead, tiled=True
+        )
+        params, opt, moved = each(partial(es_update, cfg=cfg), params, opt, noise, scores, thresholds)
         return params, opt, states, fitness, moved
 
+    population = population_spec(lead)
     step = jax.shard_map(
         local_step,
         mesh=mesh,
-        in_specs=(spec(), spec(), spec(POP), spec(), spec(), spec()) + (spec(), spec()) * (cfg.replicas > 1),
-        out_specs=(spec(), spec(), spec(POP), spec(POP), spec()),
+        in_specs=(spec(), spec(), population, spec(), spec(), spec()) + (spec(), spec()) * lead,
+        out_specs=(spec(), spec(), population, population, spec()),
         check_vma=False,
     )
-    if cfg.replicas > 1:
-        step = jax.vmap(step, in_axes=(0, 0, 0, None, None, 0, 0, 0))
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,),
-    the rows spread over the devices (R a multiple of twice their number), the result replicated."""
+    the rows spread over the devices (R a multiple of twice their number), the result replicated;
+    with replicas, params with a leading (K,) axis and the result (K, R)."""
     spec = jax.sharding.PartitionSpec
+    lead = (cfg.replicas,) * (cfg.replicas > 1)
 
     def evaluate(params, rows):
-        h = jnp.zeros((rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
+        h = jnp.zeros(lead + (rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
         return population_fitness(params, None, h, rows[:, :-1], rows[:, 1:], cfg)[0]
 
-    local = jax.shard_map(
-        evaluate, mesh=mesh, in_specs=(spec(), spec(POP)), out_specs=spec(POP), check_vma=False
-    )
-    if cfg.replicas > 1:
-        local = jax.vmap(local, in_axes=(0, None))
+    out = population_spec(len(lead))
+    local = jax.shard_map(evaluate, mesh=mesh, in_specs=(spec(), spec(POP)), out_specs=out, check_vma=False)
     return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, spec()))
 
 
@@ -1926,11 +1965,6 @@ def on_mesh(params, opt, states, mesh):
     spec = jax.sharding.PartitionSpec
     params, opt = jax.tree.map(lambda p: global_array(p, mesh, spec()), (params, opt))
     return params, opt, global_array(states, mesh, population_spec(states.ndim - 3))
-
-
-def population_spec(replica_axes: int) -> jax.sharding.PartitionSpec:
-    """States and fitness: spread over the population axis, after the replica axis if any."""
-    return jax.sharding.PartitionSpec(*(None,) * replica_axes, POP)
 
 
 def host_copy(x: jax.Array) -> np.ndarray:
