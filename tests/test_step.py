@@ -60,23 +60,20 @@ def jaxpr_dtypes(jaxpr):
         dict(optimizer="momentum"),
         dict(optimizer="adam", shared_pair_state=True, mlp_relu=False, adapt_threshold=True),
         dict(optimizer="ztest", adapt_threshold=True),
+        dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0)),
     ],
 )
 def test_generation_step_and_validation_have_no_floating_point(overrides):
     args, c, batch = setup(**overrides)
     mesh = run.population_mesh(jax.devices()[:1])
-    params = run.init_params(c)
+    settings = run.replica_settings(args)
+    params, opt, states = run.init_replicas(c, settings)
+    thresholds = np.stack([run.z_thresholds(run.replica_args(args, s), c)[0] for s in settings])
+    thresholds = thresholds if c.replicas > 1 else thresholds[0]
     programs = {
         "step": (
             run.make_generation_step(c, mesh),
-            (
-                params,
-                run.init_optimizer(c),
-                run.initial_states(c),
-                batch,
-                np.int32(0),
-                run.z_thresholds(args, c)[0],
-            ),
+            (params, opt, states, batch, np.int32(0), thresholds, *run.replica_inputs(c, settings)),
         ),
         "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
     }
