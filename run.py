@@ -108,8 +108,9 @@ class Args:
 
     # replicas and population-based training
     replicas: int = 1
-    """models trained side by side in one program (a vmap of the step), each with its own parameters,
-    states, update rule state, seed (--seed + its index) and the settings below; all see the same data"""
+    """models trained side by side in one compiled step (a replica axis), each with its own parameters,
+    states, update rule state, seed (--seed + its index) and the settings below (given as lists, not
+    drawn); all see the same data"""
     replica_alpha: tuple[float, ...] = ()
     """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
     replica_alpha_decay_timestep: tuple[int, ...] = ()
