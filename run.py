@@ -2057,8 +2057,8 @@ def train(args: Args) -> dict:
 
     def thresholds(generation: int) -> np.ndarray:
         """(2,) for a single run, (replicas, 2) with replicas: each replica's own."""
-        rows = np.stack([schedule(s)[1][generation] for s in settings])
-        return rows if cfg.replicas > 1 else rows[0]
+        table = np.stack([schedule(s)[1][generation] for s in settings])
+        return table if cfg.replicas > 1 else table[0]
 
     if resumed is None:
         params, opt, states = init_replicas(cfg, settings)
