@@ -68,8 +68,9 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
     mesh = run.population_mesh(jax.devices()[:1])
     settings = run.replica_settings(args)
     params, opt, states = run.init_replicas(c, settings)
-    thresholds = np.stack([run.z_thresholds(run.replica_args(args, s), c)[0] for s in settings])
-    thresholds = thresholds if c.replicas > 1 else thresholds[0]
+    thresholds = run.replica_thresholds(
+        [run.z_thresholds(run.replica_args(args, s), c)[0] for s in settings], c
+    )
     programs = {
         "step": (
             run.make_generation_step(c, mesh),
