@@ -2233,16 +2233,18 @@ def train(args: Args) -> dict:
 
 # Population-based training: explore moves each copied setting one step, by one of these factors
 # (alpha > 1, a schedule: its excess over 1; alpha <= 1, a fixed share: itself, at most 1) or by
-# one shift (sigma_shift, within its range)
+# one shift (sigma_shift, within its range). A shift halves or doubles the noise, a far larger step
+# than the factors: it is taken half the time, else the copy keeps the winner's (SIGMA_STEPS).
 PBT_FACTORS = (0.8, 1.25)
+SIGMA_STEPS = (-1, 0, 0, 1)
 
 
 def explore(setting: dict, rng: np.random.Generator) -> dict:
-    """A copied replica's settings, each moved one random step (PBT_FACTORS)."""
+    """A copied replica's settings, each moved one random step (PBT_FACTORS, SIGMA_STEPS)."""
     f_alpha, f_decay = rng.choice(PBT_FACTORS, 2)
     alpha = setting["alpha"]
     alpha = min(alpha * f_alpha, 1.0) if alpha <= 1 else 1 + (alpha - 1) * f_alpha
-    sigma_shift = int(np.clip(setting["sigma_shift"] + rng.choice((-1, 1)), 0, largest_sigma_shift()))
+    sigma_shift = int(np.clip(setting["sigma_shift"] + rng.choice(SIGMA_STEPS), 0, largest_sigma_shift()))
     decay = max(1, round(setting["alpha_decay_timestep"] * f_decay))
     return {
         **setting,

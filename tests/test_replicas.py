@@ -117,9 +117,14 @@ def test_pbt_step_ranks_copies_and_explores_deterministically():
         assert got["seed"] == settings[loser]["seed"]  # its own noise, never a copy of another's
         assert got["alpha"] in (round(1 + (old["alpha"] - 1) * f, 4) for f in run.PBT_FACTORS)
         assert got["alpha_decay_timestep"] in (800, 1250)
-        assert got["sigma_shift"] in {min(max(old["sigma_shift"] + d, 0), 6) for d in (-1, 1)}
+        assert got["sigma_shift"] in {min(max(old["sigma_shift"] + d, 0), 6) for d in (-1, 0, 1)}
     assert [new[k] for k in (0, 1, 2, 3, 4, 6)] == [settings[k] for k in (0, 1, 2, 3, 4, 6)]
     assert run.pbt_step(scores, settings, seed=0, generation=20)[1] == new  # the same draw on resume
+    # sigma_shift keeps the winner's half the time, else moves one up or down (never two)
+    rng = np.random.default_rng(0)
+    steps = [run.explore(settings[3], rng)["sigma_shift"] - 3 for _ in range(2000)]
+    assert set(steps) == {-1, 0, 1} and abs(steps.count(0) / 2000 - 0.5) < 0.04
+    assert abs(steps.count(1) - steps.count(-1)) / 2000 < 0.04
     # ties: the lower index ranks better; fixed shares stay at most 1
     shares = [dict(s, alpha=0.9) for s in settings[:4]]
     source, new, _ = run.pbt_step([1.0] * 4, shares, seed=1, generation=2)
