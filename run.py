@@ -161,6 +161,12 @@ class Args:
     """number of processes of a multi-host run started by hand"""
     proc_id: int = 0
     """index of this process in a multi-host run started by hand"""
+    cpu_devices: int = 0
+    """on the CPU: the JAX devices this host is split into, each evaluating its share of the
+    population on its own (0: one per core, fewer where the share would not hold whole groups; 1:
+    one device, whose products XLA spreads over the cores). The CPU still counts as one device of
+    --parallel_generations_per_gpu: the population, and every result, stay the same. Left at 1 when
+    XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count (each device then counts as one)"""
 
     # diagnostics
     log_every: int = 0
@@ -282,8 +288,12 @@ def replica_args(args: Args, setting: dict) -> Args:
     return single_run(args, **setting)
 
 
-def make_config(args: Args, devices: int = 1) -> Config:
-    population = args.parallel_generations_per_gpu * devices
+def make_config(args: Args, devices: int | None = None) -> Config:
+    """The static configuration of a run on `devices` JAX devices (default: one GPU's worth). A CPU
+    split into --cpu_devices of them counts as one device of --parallel_generations_per_gpu."""
+    shards = max(args.cpu_devices, 1)
+    devices = shards if devices is None else devices
+    population = args.parallel_generations_per_gpu * devices // shards
     distinct = args.num_perturbations or population
     first = replica_settings(args)[0]
     return Config(
@@ -2088,9 +2098,10 @@ def train(args: Args) -> dict:
     evaluate = make_evaluate(cfg, mesh)
     num_params = num_parameters(cfg)
     replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
+    split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
     log(
         f"egg-jax {name}: {replicas}{num_params:,} int8 parameters, population {cfg.population} on "
-        f"{mesh.size} {jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+        f"{mesh.size} {jax.devices()[0].platform} device(s){split} in {jax.process_count()} process(es), "
         f"{len(train_bytes):,} training bytes, {valid_rows.size:,} validation bytes"
     )
     log(
@@ -2593,13 +2604,15 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
         members = args.parallel_generations_per_gpu * args.replicas
         whole = single_run(args, parallel_generations_per_gpu=members)
-        kinds.append(prepare(f"e one run of {members * mesh.size}", whole, "train"))
+        kinds.append(prepare(f"e one run of {make_config(whole, mesh.size).population}", whole, "train"))
     full_rank = dataclasses.replace(args, rank=0)
     cfg = kinds[0]["cfg"]
     notes, rounds, full_rank_rounds = [], args.num_epochs, args.num_epochs
     if budget is not None:
         probed = {}  # population: seconds per generation
-        for members in sorted({min(m, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}):
+        unit = 2 * max(args.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
+        probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
+        for members in sorted(probes):
             probe_args = dataclasses.replace(
                 full_rank, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0
             )
@@ -2642,7 +2655,9 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
     members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
     timed = f"median of {rounds} generations each ({', '.join(k['label'][0] for k in turns)} taking turns)"
-    print(f"device: {mesh.size} x {device.platform} ({device.device_kind}); {model}; {members}; {timed}")
+    split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
+    device = f"{mesh.size} x {device.platform} ({device.device_kind}){split}"
+    print(f"device: {device}; {model}; {members}; {timed}")
     memory_header = f"peak {memory_kind} GiB"
     print(
         f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18} {'temp MiB':>9}"
@@ -2725,6 +2740,52 @@ def select_platform() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def cpu_share_fits(args: Args, shards: int) -> bool:
+    """Whether each of `shards` devices' share of --parallel_generations_per_gpu holds whole groups
+    (so whole antithetic pairs) and, with --num_perturbations, whole blocks of distinct noises: what
+    check_args asks of every device's members."""
+    p, n = args.parallel_generations_per_gpu, args.num_perturbations
+    share, g = p // shards, args.group_size
+    return p > 0 and g > 0 and p % shards == 0 and share % g == 0 and (n <= 0 or share % n == 0)
+
+
+def split_cpu(args: Args) -> Args:
+    """Args with --cpu_devices as used (1: not split), the host split into that many JAX devices
+    before JAX starts. XLA spreads each product of a single CPU device over the cores, which for
+    this model's small int8 products costs more than it gains (README, "Benchmark": 64D-2L,
+    population 256 on a 2-core Intel Xeon trains about twice as fast as 2 devices of 128 members).
+    Not split: off the CPU; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count; in a
+    multi-process run unless --cpu_devices is given (every process must split alike). Once JAX
+    runs (main() called again in one process) its CPU devices stay as the first call split them."""
+    given, p, g = args.cpu_devices, args.parallel_generations_per_gpu, args.group_size
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    forced = forced or "JAX_NUM_CPU_DEVICES" in os.environ
+    if given < 0:
+        raise UserError(f"--cpu_devices must be >= 0 (0: one per core), got {given}")
+    if jax.config.jax_platforms != "cpu" or forced:
+        if given > 1:
+            where = "XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count" if forced else "not on the CPU"
+            raise UserError(f"--cpu_devices {given}: {where}; leave --cpu_devices out")
+        return dataclasses.replace(args, cpu_devices=1)
+    if given and not cpu_share_fits(args, given):
+        raise UserError(
+            f"--cpu_devices {given} must split --parallel_generations_per_gpu {p} into equal shares, "
+            f"each a multiple of --group_size {g} (and of --num_perturbations, if given)"
+        )
+    several = args.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    fits = [s for s in range(1, cores + 1) if cpu_share_fits(args, s)]
+    shards = given or (1 if several else max(fits, default=1))
+    try:
+        jax.config.update("jax_num_cpu_devices", shards)
+    except RuntimeError:  # JAX already runs in this process
+        running = jax.local_device_count()
+        if given and given != running:
+            raise UserError(f"--cpu_devices {given}: JAX already runs on {running} CPU device(s)") from None
+        shards = running
+    return dataclasses.replace(args, cpu_devices=shards)
+
+
 def enable_compilation_cache(dir_path: str) -> None:
     """Keep compiled programs in <dir_path>/jax_cache (unless JAX_COMPILATION_CACHE_DIR says
     otherwise), so a second run of the same configuration starts without compiling."""
@@ -2737,7 +2798,7 @@ def main(argv: list[str] | None = None) -> None:
     select_platform()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_args(argv)
+        args = split_cpu(parse_args(argv))
         enable_compilation_cache(args.dir_path)
         if args.benchmark:
             benchmark(args, None if flag_given(argv, "num_epochs") else BENCHMARK_SECONDS)

@@ -1,4 +1,4 @@
-"""The tests target the CPU (several of them as several virtual CPU devices) and write only under
+"""The tests target the CPU (one device, several of them as several virtual CPU devices) and write only under
 one scratch folder, removed at the end: the compilation cache they share (so that the many runs of
 the same tiny configurations compile once) and the corpus cache (so that the standard library is
 concatenated once). A session fixture checks that the repository is left as it was found. Under
@@ -14,6 +14,12 @@ import pytest
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="egg-jax-tests-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# one CPU device unless a test asks for more: run.py would otherwise split the CPU into one device
+# per core (--cpu_devices), which test_devices.py tests on its own
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    ).strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))
 os.environ["EGG_TEST_CORPORA"] = str(SCRATCH / "corpora")  # the tests' --dir_path
 

@@ -188,6 +188,9 @@ BAD_INPUT = [
     *[(["--" + name, "0"], f"--{name} must be positive") for name in POSITIVE],
     *[(["--" + name, "-1"], f"--{name} must be >= 0") for name in AT_LEAST_ZERO],
     (["--data", "/no/such/file"], "--data /no/such/file: no such path"),
+    (["--cpu_devices", "-1"], "--cpu_devices must be >= 0 (0: one per core), got -1"),
+    # conftest.py sets the device count through XLA_FLAGS, as a user may
+    (["--cpu_devices", "2"], "--cpu_devices 2: XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count"),
     (["--data", "EMPTY"], "--data EMPTY: the file is empty"),
     (["--data", "FOLDER"], "--data FOLDER: the folder holds no files"),
     (["--data", "INT32.npy"], "--data INT32.npy: holds a int32 array"),

@@ -78,6 +78,18 @@ def digest(runs, generation: int) -> str:
     return h.hexdigest()
 
 
+def as_users_start_it(flags, runs):
+    """run.py on the CPU with no device count set from outside: it splits the CPU (--cpu_devices)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *COMMON, "--runs_dir", str(runs), *flags],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def records(runs):
     (path,) = runs.glob("*/metrics.jsonl")  # only process 0 writes
     lines = path.read_text().splitlines(True)
@@ -98,6 +110,52 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
     print(hashes, validation)
     assert len(set(hashes.values())) == 1
     assert len({tuple(v) for v in validation.values()}) == 1 and len(validation["one"]) == 2
+
+
+def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
+    flags = [
+        *SHARED_NOISE,
+        "--num_epochs",
+        "3",
+        "--validate_every",
+        "2",
+        "--parallel_generations_per_gpu",
+        "64",
+    ]
+    procs = {
+        "one": [launch(1, flags, tmp_path / "one")],
+        "four": [as_users_start_it([*flags, "--cpu_devices", "4"], tmp_path / "four")],
+        "auto": [as_users_start_it(flags, tmp_path / "auto")],
+    }
+    outs = {layout: wait(*group)[0] for layout, group in procs.items()}
+    assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
+    assert "population 64 on 4 cpu device(s) (one CPU split into 4) in 1 process(es)" in outs["four"]
+    # the default: one device per core, as many as split 64 members into groups of 4 and blocks of 8
+    cores = len(os.sched_getaffinity(0))
+    auto = max(s for s in (1, 2, 4, 8) if s <= cores)
+    split = f" (one CPU split into {auto})" if auto > 1 else ""
+    assert f"population 64 on {auto} cpu device(s){split} in 1 process(es)" in outs["auto"]
+    assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
+    validation = {
+        tuple(r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r)
+        for layout in procs
+    }
+    assert len(validation) == 1 and len(next(iter(validation))) == 2
+    # a split that leaves a device part of a group is refused with one line, before anything runs
+    (bad,) = wait_failed(as_users_start_it([*flags, "--cpu_devices", "3"], tmp_path / "bad"))
+    lines = bad.strip().splitlines()
+    assert len(lines) == 1 and "--cpu_devices 3 must split --parallel_generations_per_gpu 64" in lines[0]
+    assert not (tmp_path / "bad").exists()
+
+
+def wait_failed(*procs):
+    """Every process's stderr, once all have exited with code 2 (bad input)."""
+    errs = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=400)
+        assert proc.returncode == 2, err[-3000:]
+        errs.append(err)
+    return errs
 
 
 def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes_exactly(tmp_path):
