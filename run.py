@@ -163,7 +163,8 @@ class Args:
     """index of this process in a multi-host run started by hand"""
     cpu_devices: int = 0
     """on the CPU: the JAX devices this host is split into, each evaluating its share of the
-    population on its own (0: one per core, fewer where the share would not hold whole groups; 1:
+    population on its own (0: one per core, fewer where the share would not hold whole groups, 1
+    with --rank 0 or several processes; 1:
     one device, whose products XLA spreads over the cores). The CPU still counts as one device of
     --parallel_generations_per_gpu: the population, and every result, stay the same. Left at 1 when
     XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count (each device then counts as one)"""
@@ -2529,6 +2530,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+def host_memory_left() -> float:
+    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is unknown)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return math.inf
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), math.inf)
+
+
 def bare_jax_rss() -> float:
     """Peak RSS (GiB) of a bare JAX process on this machine and platform (nan if it fails)."""
     import subprocess
@@ -2564,9 +2574,12 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     spec = jax.sharding.PartitionSpec
     rng = np.random.default_rng(args.seed)
     bare = bare_jax_rss()
+    notes = []
 
-    def prepare(label: str, kind_args: Args, part: str) -> dict:
-        """Compile one kind ahead of time and run its first generation."""
+    def prepare(label: str, kind_args: Args, part: str, check_room: bool = False) -> dict | None:
+        """Compile one kind ahead of time and run its first generation. With `check_room`: None (and
+        a note) where, on the CPU, its temporaries on every device would not fit in what the host
+        has left (full-rank ES at the default model: every device builds all of its noise)."""
         cfg = make_config(kind_args, mesh.size)
         settings = replica_settings(kind_args)
         params, opt, states = on_mesh(*init_replicas(cfg, settings), mesh)
@@ -2582,6 +2595,13 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         kind["step"] = lowered.compile()
         kind["compile"] = time.time() - tick
         kind["temporaries"] = getattr(kind["step"].memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+        need, left = kind["temporaries"] * 2**20 * len(mesh.local_devices), host_memory_left()
+        if check_room and mesh.devices.flat[0].platform == "cpu" and need > left:
+            notes.append(
+                f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on this "
+                f"process's {len(mesh.local_devices)} device(s), more than the {left / 2**30:.1f} GiB free"
+            )
+            return None
         kind["carry"] = (params, opt, states)
         kind["first"] = time_generation(kind, 0)
         kind["seconds"].clear()
@@ -2607,7 +2627,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         kinds.append(prepare(f"e one run of {make_config(whole, mesh.size).population}", whole, "train"))
     full_rank = dataclasses.replace(args, rank=0)
     cfg = kinds[0]["cfg"]
-    notes, rounds, full_rank_rounds = [], args.num_epochs, args.num_epochs
+    rounds, full_rank_rounds = args.num_epochs, args.num_epochs
     if budget is not None:
         probed = {}  # population: seconds per generation
         unit = 2 * max(args.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
@@ -2641,7 +2661,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
             + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
         )
     if full_rank_rounds >= 1:
-        kinds.append(prepare("d full-rank ES", full_rank, "train"))
+        kinds += [kind for kind in [prepare("d full-rank ES", full_rank, "train", check_room=True)] if kind]
     # full-rank ES runs last and alone: its large buffers, allocated and freed, slow whatever follows
     turns = [kind for kind in kinds if not kind["label"].startswith("d")]
     for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
@@ -2755,8 +2775,10 @@ def split_cpu(args: Args) -> Args:
     this model's small int8 products costs more than it gains (README, "Benchmark": 64D-2L,
     population 256 on a 2-core Intel Xeon trains about twice as fast as 2 devices of 128 members).
     Not split: off the CPU; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count; in a
-    multi-process run unless --cpu_devices is given (every process must split alike). Once JAX
-    runs (main() called again in one process) its CPU devices stay as the first call split them."""
+    multi-process run unless --cpu_devices is given (every process must split alike); with
+    --rank 0 unless given (every device builds the whole full-rank noise of the update: memory
+    times the devices). Once JAX runs (main() called again in one process) its CPU devices stay
+    as the first call split them."""
     given, p, g = args.cpu_devices, args.parallel_generations_per_gpu, args.group_size
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     forced = forced or "JAX_NUM_CPU_DEVICES" in os.environ
@@ -2775,7 +2797,7 @@ def split_cpu(args: Args) -> Args:
     several = args.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     fits = [s for s in range(1, cores + 1) if cpu_share_fits(args, s)]
-    shards = given or (1 if several else max(fits, default=1))
+    shards = given or (1 if several or args.rank == 0 else max(fits, default=1))
     try:
         jax.config.update("jax_num_cpu_devices", shards)
     except RuntimeError:  # JAX already runs in this process

@@ -186,6 +186,17 @@ def test_benchmark_prints_one_table_with_every_mode(capsys):
     assert 0.05 < bare < 4
 
 
+def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(capsys, monkeypatch):
+    monkeypatch.setattr(run, "host_memory_left", lambda: 0)  # nothing left: any temporaries are too many
+    rate = run.benchmark(benchmark_args(num_epochs=1))
+    assert set(rate) == {"a", "b", "c"}
+    out = capsys.readouterr().out
+    assert re.search(
+        r"note: d full-rank ES skipped: its compiled program needs [0-9.]+ GiB of temporaries", out
+    )
+    assert "on this process's 1 device(s), more than the 0.0 GiB free" in out
+
+
 def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
     rate = run.benchmark(benchmark_args(), budget=0.0)  # no time at all: the least it does
     assert set(rate) == {"a", "b", "c"}
