@@ -120,7 +120,8 @@ class Args:
     pbt_every: int = 0
     """generations between population-based training steps (0: none; needs --replicas >= 4): the
     replicas ranked by validation bits/byte, the worst quarter copies the best quarter's model and
-    moves the copied settings one step (explore)"""
+    moves the copied settings (explore: alpha and its decay by a factor, sigma_shift half the time
+    by one)"""
 
     # model
     n_layer: int = 6
