@@ -164,9 +164,9 @@ class Args:
     """index of this process in a multi-host run started by hand"""
     cpu_devices: int = 0
     """on the CPU: the JAX devices this host is split into, each evaluating its share of the
-    population on its own (0: one per core, fewer where the share would not hold whole groups, 1
-    with --rank 0 or several processes; 1:
-    one device, whose products XLA spreads over the cores). The CPU still counts as one device of
+    population on its own (0: one per core, fewer where the share would not hold whole groups; 1
+    with --rank 0 or several processes; 1: one device, whose products XLA spreads over the
+    cores). The CPU still counts as one device of
     --parallel_generations_per_gpu: the population, and every result, stay the same. Left at 1 when
     XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count (each device then counts as one)"""
 
@@ -2596,8 +2596,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
         kind["step"] = lowered.compile()
         kind["compile"] = time.time() - tick
         kind["temporaries"] = getattr(kind["step"].memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-        need, left = kind["temporaries"] * 2**20 * len(mesh.local_devices), host_memory_left()
-        if check_room and mesh.devices.flat[0].platform == "cpu" and need > left:
+        need = kind["temporaries"] * 2**20 * len(mesh.local_devices)
+        if check_room and mesh.devices.flat[0].platform == "cpu" and need > (left := host_memory_left()):
             notes.append(
                 f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on this "
                 f"process's {len(mesh.local_devices)} device(s), more than the {left / 2**30:.1f} GiB free"
@@ -2662,7 +2662,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
             + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
         )
     if full_rank_rounds >= 1:
-        kinds += [kind for kind in [prepare("d full-rank ES", full_rank, "train", check_room=True)] if kind]
+        full = prepare("d full-rank ES", full_rank, "train", check_room=True)
+        kinds += [full] if full else []
     # full-rank ES runs last and alone: its large buffers, allocated and freed, slow whatever follows
     turns = [kind for kind in kinds if not kind["label"].startswith("d")]
     for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
