@@ -105,6 +105,10 @@ class Args:
     """scale each tensor's threshold, each layer's apart, by sqrt(its spread ratio: this generation's
     mean squared standardised Z over the null's), so every group moves about the same share whatever its
     signal; contains and replaces --null_from_scores's correction"""
+    adapt_noise: bool = False
+    """scale each tensor's noise, each layer's apart, by its own multiplier in [1/2, 2] (kept in the
+    update rule's state): one step of 1/16 down per generation where its spread ratio is above 1.125,
+    one up where it is not, so each group's signal is steered towards the same detectable level"""
 
     # replicas and population-based training
     replicas: int = 1
@@ -229,6 +233,9 @@ FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |d
 U_STD_BITS = 4  # momentum, adam: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 SCALE_FRAC = 12  # adam's threshold multipliers: real = q / 2**12, q < 2**16
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
+NOISE_SCALE_FRAC = 4  # --adapt_noise: a group's noise multiplier q, real = q / 2**4
+NOISE_SCALE_RANGE = (8, 32)  # q's range: within a factor 2 of --sigma_shift's noise; 2 x 46 < 127
+NOISE_TARGET = 1.125  # --adapt_noise: the spread ratio each group's noise multiplier steers towards
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
@@ -257,6 +264,7 @@ class Config(NamedTuple):
     shared_pair_state: bool
     null_from_scores: bool
     adapt_threshold: bool
+    adapt_noise: bool
     mlp_relu: bool
     replicas: int  # > 1: seed and sigma_shift are replica 0's here, each replica's traced in the step
 
@@ -318,6 +326,7 @@ def make_config(args: Args, devices: int | None = None) -> Config:
         shared_pair_state=args.shared_pair_state,
         null_from_scores=args.null_from_scores,
         adapt_threshold=args.adapt_threshold,
+        adapt_noise=args.adapt_noise,
         mlp_relu=args.mlp_relu,
         replicas=args.replicas,
     )
@@ -846,18 +855,27 @@ def z_statistic(noise, weights, cfg: Config):
 
 
 def optimizer_slots(cfg: Config) -> tuple[str, ...]:
-    return {"ztest": (), "momentum": ("m",), "adam": ("m", "v")}[cfg.optimizer]
+    rule = {"ztest": (), "momentum": ("m",), "adam": ("m", "v")}[cfg.optimizer]
+    return rule + ("noise",) * cfg.adapt_noise
+
+
+def state_shape(slot: str, name: str, cfg: Config) -> tuple[int, ...]:
+    """m and v: one entry per parameter entry; noise: one per group (per layer of a block tensor)."""
+    if slot == "noise":
+        return (cfg.n_layer,) * (name in BLOCK_NAMES)
+    return full_shape(name, cfg)
 
 
 def init_optimizer(cfg: Config) -> dict:
-    """The update rule's state, int16 per parameter entry, keyed 'SLOT/NAME': m, the running sum
-    of u (momentum, adam), from 0; v, the running sum of |u| (adam), from its null mean
-    2**scale_shift E|u|. Empty for ztest."""
+    """The update rule's state, int16, keyed 'SLOT/NAME': m, the running sum of u (momentum,
+    adam), from 0; v, the running sum of |u| (adam), from its null mean 2**scale_shift E|u|;
+    noise, each group's noise multiplier (--adapt_noise), from 1 (2**NOISE_SCALE_FRAC). Empty for
+    ztest alone."""
     v0 = np.round(2**cfg.scale_shift * u_null_std(cfg) * math.sqrt(2 / math.pi)).astype(int)
+    start = {"m": lambda name: 0, "v": lambda name: int(v0[int(name not in MATRICES)])}
+    start["noise"] = lambda name: 2**NOISE_SCALE_FRAC
     return {
-        f"{slot}/{name}": jnp.full(
-            full_shape(name, cfg), 0 if slot == "m" else int(v0[int(name not in MATRICES)]), STATE
-        )
+        f"{slot}/{name}": jnp.full(state_shape(slot, name, cfg), start[slot](name), STATE)
         for slot in optimizer_slots(cfg)
         for name in PARAM_NAMES
     }
@@ -875,24 +893,62 @@ def spread_shift(entries: int) -> int:
     return max(entries.bit_length() - 17, 0)
 
 
-def adapted_threshold(threshold, u, name: str, cfg: Config):
-    """--adapt_threshold: threshold x sqrt(r) per group (the tensor, or each layer of a stacked
-    one), r = the group's spread ratio sum((u**2) >> b) / its null expectation, b = spread_shift.
-    Under the null r ~ 1 and nothing changes; a group whose Z spreads wider than the null (signal,
-    or scores with heavier tails) gets a higher threshold, so every group moves about the share
-    the test's level gives. Null expectation: entries x (E[u**2] / 2**b - (2**b - 1) / 2**(b + 1)),
-    the floor of the shift taking (2**b - 1) / 2**(b + 1) on average. Shaped like u's leading axes
-    for broadcasting; adam's multiplier is capped at SCALE_MAX as z_thresholds' are."""
+def spread(u, name: str, cfg: Config):
+    """The spread ratio's two terms for each group (the tensor, or each layer of a stacked one):
+    (sum((u**2) >> b) per group, int32 (layers,); its expectation under the null, a float),
+    b = spread_shift. The ratio r ~ 1 when the group's Z is noise, > 1 when the fitness follows
+    its noise (or the scores have heavier tails). Null expectation: entries x (E[u**2] / 2**b -
+    (2**b - 1) / 2**(b + 1)), the floor of the shift taking (2**b - 1) / 2**(b + 1) on average."""
     layers = u.shape[0] if name in BLOCK_NAMES else 1
     groups = u.reshape(layers, -1)
     entries, b = groups.shape[1], spread_shift(groups.shape[1])
-    square_sum = jnp.sum((groups * groups) >> b, axis=1)
     mean_square = u_null_std(cfg)[int(name not in MATRICES)] ** 2
     expected = entries * (mean_square / 2**b - (2**b - 1) / 2 ** (b + 1))
+    return jnp.sum((groups * groups) >> b, axis=1), expected
+
+
+def adapted_threshold(threshold, u, name: str, cfg: Config):
+    """--adapt_threshold: threshold x sqrt(r) per group, r its spread ratio (spread). Under the
+    null r ~ 1 and nothing changes; a group whose Z spreads wider than the null gets a higher
+    threshold, so every group moves about the share the test's level gives. Shaped like u's
+    leading axes for broadcasting; adam's multiplier is capped at SCALE_MAX as z_thresholds' are."""
+    square_sum, expected = spread(u, name, cfg)
     scaled = scale_by_root(threshold, square_sum, expected)
     if cfg.optimizer == "adam":
         scaled = jnp.minimum(scaled, SCALE_MAX)
-    return scaled.reshape((layers,) + (1,) * (u.ndim - 1)) if name in BLOCK_NAMES else scaled[0]
+    return scaled.reshape((-1,) + (1,) * (u.ndim - 1)) if name in BLOCK_NAMES else scaled[0]
+
+
+def adapted_noise(q, u, name: str, cfg: Config):
+    """--adapt_noise: each group's noise multiplier q (int16 at NOISE_SCALE_FRAC, shaped (layers,)
+    or ()) one step down where its spread ratio r is above NOISE_TARGET, one up where not, within
+    NOISE_SCALE_RANGE. r - 1 grows as the square of the group's noise (the fitness follows it more),
+    so the steps steer every group towards r = NOISE_TARGET: more noise for a group whose signal
+    is lost among the others', less for one that stands out (smoothing it less). The comparison is
+    exact in integers: r > target exactly when the sum exceeds floor(target x expectation)."""
+    square_sum, expected = spread(u, name, cfg)
+    above = square_sum > math.floor(NOISE_TARGET * expected)
+    low, high = NOISE_SCALE_RANGE
+    stepped = jnp.clip(q.astype(i32).reshape(-1) + jnp.where(above, -1, 1), low, high).astype(STATE)
+    return stepped.reshape(q.shape)
+
+
+def scale_noise(noise, opt, cfg: Config):
+    """--adapt_noise: the noise the members are perturbed with, each group's (A, or the full-shape
+    noise) times its multiplier q / 2**NOISE_SCALE_FRAC, rounded half away from zero (int8: |entry|
+    <= 2 x 46). The update's Z keeps the unscaled noise, so its null and thresholds are unchanged.
+    Leaves with a leading (pairs,) axis, as generation_noise gives them."""
+
+    def times(x, q, block: bool):
+        if block:  # (pairs, layers, ...) against (layers,)
+            q = q.reshape((1, -1) + (1,) * (x.ndim - 2))
+        return round_shift(x.astype(i32) * q.astype(i32), NOISE_SCALE_FRAC).astype(jnp.int8)
+
+    out = {}
+    for name, nz in noise.items():
+        q, block = opt[f"noise/{name}"], name in BLOCK_NAMES
+        out[name] = (times(nz[0], q, block), nz[1]) if isinstance(nz, tuple) else times(nz, q, block)
+    return out
 
 
 def rule_step(z, u, m, v, threshold, cfg: Config):
@@ -934,13 +990,16 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
         kind = int(name not in MATRICES)
-        u = standardise(z, shifts[kind]) if cfg.optimizer != "ztest" or cfg.adapt_threshold else None
+        needs_u = cfg.optimizer != "ztest" or cfg.adapt_threshold or cfg.adapt_noise
+        u = standardise(z, shifts[kind]) if needs_u else None
         threshold = (
             adapted_threshold(thresholds[kind], u, name, cfg) if cfg.adapt_threshold else thresholds[kind]
         )
         m, v = opt.get(f"m/{name}"), opt.get(f"v/{name}")
         step, m, v = rule_step(z, u, m, v, threshold, cfg)
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
+        if cfg.adapt_noise:
+            new_opt[f"noise/{name}"] = adapted_noise(opt[f"noise/{name}"], u, name, cfg)
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
         layers = changed.shape[0] if name in BLOCK_NAMES else 1
@@ -1012,6 +1071,8 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
             noise = generation_noise(cfg, generation)
         offset = (first // 2) % cfg.distinct_pairs
         local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead), noise)
+        if cfg.adapt_noise:
+            local = each(partial(scale_noise, cfg=cfg), local, opt)
         fitness, states = population_fitness(params, local, states, inputs, targets, cfg, sigma_shift)
         if part == "fitness":
             return params, opt, states, fitness, nothing
@@ -1090,13 +1151,15 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     tables = make_tables(cfg.rank)
     a_max = int(np.abs(tables.gauss).max())
     b_max = int(np.abs(tables.gauss_rank).max())
+    # the members' noise: --adapt_noise scales A (or full-shape noise) by up to its largest multiplier
+    a_fwd = a_max * NOISE_SCALE_RANGE[1] // 2**NOISE_SCALE_FRAC if cfg.adapt_noise else a_max
     n_in = 4 * cfg.n_embd  # the widest matmul input (the MLP's down projection)
     x_b = INT8_MAX * b_max * n_in  # x B
-    u_a = (x_b >> NOISE_FRAC) * a_max * cfg.rank  # ((x B) >> 4) A^T
+    u_a = (x_b >> NOISE_FRAC) * a_fwd * cfg.rank  # ((x B) >> 4) A^T
     score_max = 1 if cfg.fast_fitness else INT8_MAX
     z_noise = a_max * b_max * cfg.rank if cfg.use_clt else cfg.rank
     if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries
-        x_b, u_a, z_noise = 0, INT8_MAX * a_max * n_in, a_max if cfg.use_clt else 1
+        x_b, u_a, z_noise = 0, INT8_MAX * a_fwd * n_in, a_max if cfg.use_clt else 1
     pairs = cfg.population // 2
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
@@ -1463,6 +1526,7 @@ TRAINING_FLAGS = (
     "shared_pair_state",
     "null_from_scores",
     "adapt_threshold",
+    "adapt_noise",
     "group_size",
     "tokens_per_update",
     "n_layer",
@@ -1475,7 +1539,7 @@ TRAINING_FLAGS = (
     "pbt_every",
 )
 # What a checkpoint that does not record a flag was trained with: format 2 and older record none
-# of these, format 3 before --adapt_threshold and --replicas existed not those
+# of these, format 3 before --adapt_threshold, --adapt_noise and --replicas existed not those
 MISSING_FLAGS = dict(
     optimizer="ztest",
     momentum_shift=2,
@@ -1483,6 +1547,7 @@ MISSING_FLAGS = dict(
     shared_pair_state=False,
     null_from_scores=False,
     adapt_threshold=False,
+    adapt_noise=False,
     mlp_relu=True,
     replicas=1,
     replica_alpha=[],
@@ -1587,7 +1652,9 @@ def load_checkpoint(folder: Path, cfg: Config):
         )
     if states.shape != lead + (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
         states = None
-    want = {f"{slot}/{k}": lead + full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
+    want = {
+        f"{slot}/{k}": lead + state_shape(slot, k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES
+    }
     if not want:  # a rule that keeps no state
         opt = {}
     elif {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
@@ -2171,6 +2238,9 @@ def train(args: Args) -> dict:
                 }
                 for f, m, setting in zip(fitness, moved, settings, strict=True)
             ]
+            if cfg.adapt_noise:
+                for k, values in enumerate(each):
+                    values.update(noise_scale_range(replica_of(opt, k, cfg)))
             metrics = replica_metrics(each, settings)
             metrics.update({"perf/tokens_per_s": tokens_per_generation / seconds, "perf/seconds": seconds})
             last = done == args.num_epochs
@@ -2325,6 +2395,15 @@ def replica_metrics(each: list[dict], settings: list[dict], summary: bool = True
     if summary:
         out.update({name: min(x[name] for x in each) for name in each[0] if name.endswith("bits_per_byte")})
     return out
+
+
+def noise_scale_range(opt: dict) -> dict:
+    """--adapt_noise: the smallest and largest noise multiplier over the groups of one run."""
+    scales = np.concatenate([host_copy(v).reshape(-1) for k, v in opt.items() if k.startswith("noise/")])
+    return {
+        "train/noise_scale_min": float(scales.min()) / 2**NOISE_SCALE_FRAC,
+        "train/noise_scale_max": float(scales.max()) / 2**NOISE_SCALE_FRAC,
+    }
 
 
 def replica_meta(settings: list[dict], scores: list[float], leader: int) -> dict:
