@@ -107,8 +107,8 @@ class Args:
     signal; contains and replaces --null_from_scores's correction"""
     adapt_noise: bool = False
     """scale each tensor's noise, each layer's apart, by its own multiplier in [1/2, 2] (kept in the
-    update rule's state): one step of 1/16 down per generation where its spread ratio is above 1.125,
-    one up where it is not, so each group's signal is steered towards the same detectable level"""
+    update rule's state): one step of 1/16 down per generation where its spread ratio is above the
+    median group's, one up where not, steering every group's signal towards the same level"""
 
     # replicas and population-based training
     replicas: int = 1
@@ -235,7 +235,7 @@ SCALE_FRAC = 12  # adam's threshold multipliers: real = q / 2**12, q < 2**16
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
 NOISE_SCALE_FRAC = 4  # --adapt_noise: a group's noise multiplier q, real = q / 2**4
 NOISE_SCALE_RANGE = (8, 32)  # q's range: within a factor 2 of --sigma_shift's noise; 2 x 46 < 127
-NOISE_TARGET = 1.125  # --adapt_noise: the spread ratio each group's noise multiplier steers towards
+SPREAD_FRAC = 12  # --adapt_noise: a group's root spread ratio sqrt(r), real = q / 2**12
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
@@ -919,18 +919,30 @@ def adapted_threshold(threshold, u, name: str, cfg: Config):
     return scaled.reshape((-1,) + (1,) * (u.ndim - 1)) if name in BLOCK_NAMES else scaled[0]
 
 
-def adapted_noise(q, u, name: str, cfg: Config):
-    """--adapt_noise: each group's noise multiplier q (int16 at NOISE_SCALE_FRAC, shaped (layers,)
-    or ()) one step down where its spread ratio r is above NOISE_TARGET, one up where not, within
-    NOISE_SCALE_RANGE. r - 1 grows as the square of the group's noise (the fitness follows it more),
-    so the steps steer every group towards r = NOISE_TARGET: more noise for a group whose signal
-    is lost among the others', less for one that stands out (smoothing it less). The comparison is
-    exact in integers: r > target exactly when the sum exceeds floor(target x expectation)."""
+def spread_root(u, name: str, cfg: Config):
+    """sqrt(r) of each group's spread ratio (spread), int32 (layers,) at SPREAD_FRAC, within
+    1 + 2**-12 relative (scale_by_root)."""
     square_sum, expected = spread(u, name, cfg)
-    above = square_sum > math.floor(NOISE_TARGET * expected)
+    return scale_by_root(jnp.full(square_sum.shape, 2**SPREAD_FRAC, i32), square_sum, expected)
+
+
+def adapted_noise(scales: dict, roots: dict) -> dict:
+    """--adapt_noise: each group's noise multiplier q (int16 at NOISE_SCALE_FRAC, shaped (layers,) or
+    ()) one step down where its root spread ratio (spread_root) is above the median group's, one up
+    where not, within NOISE_SCALE_RANGE. r - 1 grows as the square of a group's noise (the fitness
+    follows it more), so the steps steer every group towards the median group's signal: more noise
+    for a group whose signal is lost among the others', less for one that stands out (smoothed
+    less). Half the groups step each way, so the noise's overall scale stays --sigma_shift's.
+    scales: {NAME: q}, roots: {NAME: sqrt(r)}, both by parameter name."""
+    every = jnp.concatenate([roots[name].reshape(-1) for name in scales])
+    median = jnp.sort(every)[every.size // 2]
     low, high = NOISE_SCALE_RANGE
-    stepped = jnp.clip(q.astype(i32).reshape(-1) + jnp.where(above, -1, 1), low, high).astype(STATE)
-    return stepped.reshape(q.shape)
+    return {
+        name: jnp.clip(
+            q.astype(i32) + jnp.where(roots[name] > median, -1, 1).reshape(q.shape), low, high
+        ).astype(STATE)
+        for name, q in scales.items()
+    }
 
 
 def scale_noise(noise, opt, cfg: Config):
@@ -986,7 +998,7 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     shifts = u_shifts(cfg)
     if cfg.null_from_scores and cfg.optimizer == "ztest" and not cfg.adapt_threshold:
         thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
-    new, new_opt, moved = {}, {}, []
+    new, new_opt, moved, roots = {}, {}, [], {}
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
         kind = int(name not in MATRICES)
@@ -999,11 +1011,14 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
         step, m, v = rule_step(z, u, m, v, threshold, cfg)
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
         if cfg.adapt_noise:
-            new_opt[f"noise/{name}"] = adapted_noise(opt[f"noise/{name}"], u, name, cfg)
+            roots[name] = spread_root(u, name, cfg)
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
         layers = changed.shape[0] if name in BLOCK_NAMES else 1
         moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
+    if cfg.adapt_noise:
+        scales = adapted_noise({name: opt[f"noise/{name}"] for name in PARAM_NAMES}, roots)
+        new_opt.update({f"noise/{name}": q for name, q in scales.items()})
     return new, new_opt, jnp.concatenate(moved)
 
 
@@ -1655,9 +1670,8 @@ def load_checkpoint(folder: Path, cfg: Config):
     want = {
         f"{slot}/{k}": lead + state_shape(slot, k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES
     }
-    if not want:  # a rule that keeps no state
-        opt = {}
-    elif {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
+    opt = {k: v for k, v in opt.items() if k in want}  # e.g. --adapt_noise's multipliers, now off
+    if {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
         opt = None
     return params, states, opt, meta
 

@@ -146,8 +146,9 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
 
 def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path):
     """--num_epochs 6, then --num_epochs 12 --resume auto: bit-identical to --num_epochs 12,
-    with an alpha schedule that is still decaying (T = 4) and noise and data at every generation."""
-    schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6"]
+    with an alpha schedule that is still decaying (T = 4) and noise and data at every generation,
+    and --adapt_noise's multipliers carried in the update rule's state."""
+    schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6", "--adapt_noise"]
     code, _, err = finish(start(*schedule, "--num_epochs", "12", runs=tmp_path / "a"))
     assert code == 0, err[-2000:]
     code, _, err = finish(start(*schedule, "--num_epochs", "6", runs=tmp_path / "b"))
@@ -184,9 +185,15 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
             "--optimizer momentum -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
         ),
         (
-            ["--no-shared_pair_state", "--mlp_relu", "--no-null_from_scores", "--adapt_threshold"],
+            [
+                "--no-shared_pair_state",
+                "--mlp_relu",
+                "--no-null_from_scores",
+                "--adapt_threshold",
+                "--adapt_noise",
+            ],
             "--shared_pair_state True -> False, --null_from_scores True -> False, "
-            "--adapt_threshold False -> True, --mlp_relu False -> True",
+            "--adapt_threshold False -> True, --adapt_noise False -> True, --mlp_relu False -> True",
         ),
     ):
         result = in_process(capsys, *base, *flags)
@@ -317,6 +324,16 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     assert run.load_checkpoint(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
     adam = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam"))
     assert run.load_checkpoint(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
+    noisy = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, adapt_noise=True))
+    assert run.load_checkpoint(tmp_path / "c", noisy)[2] is None  # no multipliers: the state starts afresh
+    start = jax.tree.map(lambda x: x + 1, run.init_optimizer(noisy))
+    assert sorted(start) == sorted(opt) + sorted(f"noise/{k}" for k in run.PARAM_NAMES)
+    run.save_checkpoint(tmp_path / "n", params, states, {"generation": 5}, start)
+    for key, value in run.load_checkpoint(tmp_path / "n", noisy)[2].items():
+        np.testing.assert_array_equal(value, start[key], err_msg=key)
+        assert value.shape == run.state_shape(key.split("/")[0], key.split("/")[1], noisy)
+    kept = run.load_checkpoint(tmp_path / "n", cfg)[2]  # the flag turned off: momentum's sums are kept
+    assert sorted(kept) == sorted(opt) and all(np.array_equal(kept[k], start[k]) for k in kept)
     np.testing.assert_array_equal(loaded_states, states)
     other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
     assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states

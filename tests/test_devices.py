@@ -105,8 +105,10 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
+    """With --adapt_noise: each device scales its slice of the noise by the replicated multipliers."""
     flags = [
         *SHARED_NOISE,
+        "--adapt_noise",
         "--num_epochs",
         "3",
         "--validate_every",

@@ -499,12 +499,21 @@ def test_adapt_threshold_scales_each_group_by_the_root_of_its_spread_ratio(optim
     assert unclear < total / (50 if optimizer == "ztest" else 10) and differs > 0, (unclear, differs, total)
 
 
+def follow_one_group(c, noise, rng):
+    """Fitness that follows the noise of one group only (layer 0 of Uf) along a fixed +-1 direction
+    G: each pair's sum of G * A B^T, + for its first member and - for its second."""
+    a, b = (np.asarray(x[:, 0]).astype(np.int64) for x in noise["Uf"])  # (pairs, m | n, rank)
+    direction = rng.choice([-1, 1], (a.shape[1], b.shape[1]))
+    pair = np.einsum("pmr,mn,pnr->p", a, direction, b)
+    return np.stack([pair, -pair], axis=1).ravel().astype(np.int32)
+
+
 def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
-    """Fitness that follows the noise of one group (layer 0 of Uf, 256 entries, along a fixed +-1
-    direction G: each pair's sum of G * A B^T, so each entry's Z has a signal twice its null std
-    with 1024 pairs): without the flag the Z-test moves far more than alpha of that group; with
-    --adapt_threshold its threshold follows its wider spread and it moves about alpha, while
-    the groups with no signal (layer 1 of Uf, the other matrices) move alpha either way."""
+    """Fitness that follows the noise of one group (layer 0 of Uf, 256 entries; follow_one_group:
+    each entry's Z has a signal twice its null std with 1024 pairs): without the flag the Z-test
+    moves far more than alpha of that group; with --adapt_threshold its threshold follows its wider
+    spread and it moves about alpha, while the groups with no signal (layer 1 of Uf, the other
+    matrices) move alpha either way."""
     alpha = 0.2
     args = upstream(n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=alpha)
     rng = np.random.default_rng(5)
@@ -512,10 +521,7 @@ def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
     for adapt in (False, True):
         c = run.make_config(dataclasses.replace(args, adapt_threshold=adapt))
         noise = run.generation_noise(c, jnp.int32(0))
-        a, b = (np.asarray(x[:, 0]).astype(np.int64) for x in noise["Uf"])  # (pairs, m | n, rank)
-        direction = rng.choice([-1, 1], (a.shape[1], b.shape[1]))
-        pair = np.einsum("pmr,mn,pnr->p", a, direction, b)
-        fitness = np.stack([pair, -pair], axis=1).ravel().astype(np.int32)
+        fitness = follow_one_group(c, noise, rng)
         params = run.init_params(c)
         scores = run.shape_fitness(jnp.asarray(fitness), c)
         _, _, moved = run.es_update(params, {}, noise, scores, run.z_thresholds(args, c)[0], c)
@@ -532,3 +538,78 @@ def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
         assert abs(shares[adapt]["Uf", 1] - alpha) < 0.08
         rest = [v for (name, _), v in shares[adapt].items() if name in run.MATRICES and name != "Uf"]
         assert abs(np.mean(rest) - alpha) < 0.02, (adapt, rest)
+
+
+@pytest.mark.parametrize("optimizer", ["ztest", "momentum"])
+def test_adapt_noise_steps_each_group_towards_the_target_spread_ratio(optimizer):
+    """One update with --adapt_noise and fitness that follows layer 0 of Uf only: each group's
+    multiplier against a float64 reference (Z by numpy in int64, u, the spread ratio
+    sum(u**2) / (entries x E[u**2]), one step down where it is above 1.125, else up, within
+    [8, 32]). The group with signal steps down, every large group without signal up (a small one's
+    ratio spreads wider), except where a bound holds it: layer 1 of Uf starts at the top, and a
+    second update starts the signal group at the bottom."""
+    args = upstream(
+        n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=0.2, adapt_noise=True
+    )
+    c = run.make_config(dataclasses.replace(args, optimizer=optimizer))
+    noise = run.generation_noise(c, jnp.int32(0))
+    scores = run.shape_fitness(jnp.asarray(follow_one_group(c, noise, np.random.default_rng(5))), c)
+    params, thresholds, shifts = run.init_params(c), run.z_thresholds(args, c)[0], run.u_shifts(c)
+    low, high = run.NOISE_SCALE_RANGE
+    weights = np.asarray(scores).astype(np.int64)
+    for signal_start in (16, low):
+        opt = jax.tree.map(np.asarray, run.init_optimizer(c))
+        opt["noise/Uf"] = np.array([signal_start, high], np.int16)
+        _, got, _ = run.es_update(params, opt, noise, scores, thresholds, c)
+        steps = {}
+        for name in run.PARAM_NAMES:
+            kind = int(name not in run.MATRICES)
+            if isinstance(noise[name], tuple):
+                a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
+                z = np.einsum("k,k...mr,k...nr->...mn", weights, a, b)
+            else:
+                z = np.einsum("k,k...->...", weights, np.asarray(noise[name]).astype(np.int64))
+            u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
+            groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
+            ratio = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
+            start = opt[f"noise/{name}"].reshape(-1).astype(int)
+            want = np.clip(start + np.where(ratio > run.NOISE_TARGET, -1, 1), low, high)
+            np.testing.assert_array_equal(np.asarray(got[f"noise/{name}"]).reshape(-1), want, err_msg=name)
+            steps.update({(name, k): int(w - s) for k, (w, s) in enumerate(zip(want, start, strict=True))})
+        assert steps[("Uf", 0)] == (-1 if signal_start > low else 0) and steps[("Uf", 1)] == 0, steps
+        # without signal, a large group's ratio stays below the target (a small one's spreads wider)
+        sizes = {k: params[k].size // (c.n_layer if k in run.BLOCK_NAMES else 1) for k in run.PARAM_NAMES}
+        large = {key: step for key, step in steps.items() if key[0] != "Uf" and sizes[key[0]] >= 1024}
+        assert len(large) == 6 and set(large.values()) == {1}, steps
+        if optimizer == "momentum":  # the rule's own state is updated alongside
+            assert any(np.any(got[f"m/{name}"] != 0) for name in run.PARAM_NAMES)
+
+
+def test_scale_noise_multiplies_each_groups_noise_by_its_multiplier():
+    """scale_noise against numpy: A (or the full-shape noise) of each group times q / 16, rounded
+    half away from zero, B untouched; q = 16 changes nothing; the largest multiplier keeps every
+    noise entry within int8, as NOISE_SCALE_RANGE states."""
+    for rank in (2, 0):
+        c = run.make_config(tiny(n_layer=2, rank=rank, adapt_noise=True))
+        noise = jax.tree.map(np.asarray, run.generation_noise(c, jnp.int32(1)))
+        rng = np.random.default_rng(rank)
+        low, high = run.NOISE_SCALE_RANGE
+        opt = {
+            f"noise/{k}": rng.integers(low, high + 1, run.state_shape("noise", k, c)).astype(np.int16)
+            for k in run.PARAM_NAMES
+        }
+        got = run.scale_noise(noise, opt, c)
+        unit = run.scale_noise(noise, run.init_optimizer(c), c)
+        for name, nz in noise.items():
+            q = opt[f"noise/{name}"].astype(np.int64)
+            full = nz[0] if isinstance(nz, tuple) else nz
+            q = q.reshape((1, -1) + (1,) * (full.ndim - 2)) if name in run.BLOCK_NAMES else q
+            want = numpy_round(full.astype(np.int64) * q, run.NOISE_SCALE_FRAC)
+            scaled = got[name][0] if isinstance(nz, tuple) else got[name]
+            assert scaled.dtype == jnp.int8
+            np.testing.assert_array_equal(scaled, want, err_msg=name)
+            if isinstance(nz, tuple):
+                np.testing.assert_array_equal(got[name][1], nz[1])
+            jax.tree.map(np.testing.assert_array_equal, unit[name], nz)
+    largest = int(np.abs(run.make_tables(1).gauss).max())
+    assert numpy_round(largest * high, run.NOISE_SCALE_FRAC) <= 127
