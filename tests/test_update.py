@@ -541,13 +541,13 @@ def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
 
 
 @pytest.mark.parametrize("optimizer", ["ztest", "momentum"])
-def test_adapt_noise_steps_each_group_towards_the_target_spread_ratio(optimizer):
+def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio(optimizer):
     """One update with --adapt_noise and fitness that follows layer 0 of Uf only: each group's
     multiplier against a float64 reference (Z by numpy in int64, u, the spread ratio
-    sum(u**2) / (entries x E[u**2]), one step down where it is above 1.125, else up, within
-    [8, 32]). The group with signal steps down, every large group without signal up (a small one's
-    ratio spreads wider), except where a bound holds it: layer 1 of Uf starts at the top, and a
-    second update starts the signal group at the bottom."""
+    sum(u**2) / (entries x E[u**2]), one step down where it is above the median group's, else
+    up, within [8, 32]; a group within 2**-11 of the median either way). The group with signal
+    steps down, and fewer than half the groups do; a bound holds a group where it is: layer 1 of Uf
+    starts at the top, and a second update starts the signal group at the bottom."""
     args = upstream(
         n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=0.2, adapt_noise=True
     )
@@ -557,30 +557,32 @@ def test_adapt_noise_steps_each_group_towards_the_target_spread_ratio(optimizer)
     params, thresholds, shifts = run.init_params(c), run.z_thresholds(args, c)[0], run.u_shifts(c)
     low, high = run.NOISE_SCALE_RANGE
     weights = np.asarray(scores).astype(np.int64)
+    ratios = {}
+    for name in run.PARAM_NAMES:
+        kind = int(name not in run.MATRICES)
+        if isinstance(noise[name], tuple):
+            a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
+            z = np.einsum("k,k...mr,k...nr->...mn", weights, a, b)
+        else:
+            z = np.einsum("k,k...->...", weights, np.asarray(noise[name]).astype(np.int64))
+        u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
+        groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
+        ratios[name] = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
+    median = float(np.median(np.concatenate(list(ratios.values()))))  # an odd count of groups: one of them
     for signal_start in (16, low):
         opt = jax.tree.map(np.asarray, run.init_optimizer(c))
         opt["noise/Uf"] = np.array([signal_start, high], np.int16)
         _, got, _ = run.es_update(params, opt, noise, scores, thresholds, c)
         steps = {}
-        for name in run.PARAM_NAMES:
-            kind = int(name not in run.MATRICES)
-            if isinstance(noise[name], tuple):
-                a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
-                z = np.einsum("k,k...mr,k...nr->...mn", weights, a, b)
-            else:
-                z = np.einsum("k,k...->...", weights, np.asarray(noise[name]).astype(np.int64))
-            u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
-            groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
-            ratio = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
+        for name, ratio in ratios.items():
             start = opt[f"noise/{name}"].reshape(-1).astype(int)
-            want = np.clip(start + np.where(ratio > run.NOISE_TARGET, -1, 1), low, high)
-            np.testing.assert_array_equal(np.asarray(got[f"noise/{name}"]).reshape(-1), want, err_msg=name)
-            steps.update({(name, k): int(w - s) for k, (w, s) in enumerate(zip(want, start, strict=True))})
+            new = np.asarray(got[f"noise/{name}"]).reshape(-1).astype(int)
+            for k, r in enumerate(ratio):
+                steps[name, k] = new[k] - start[k]
+                if abs(r / median - 1) > 2**-11:
+                    assert new[k] == np.clip(start[k] + (-1 if r > median else 1), low, high), (name, k)
         assert steps[("Uf", 0)] == (-1 if signal_start > low else 0) and steps[("Uf", 1)] == 0, steps
-        # without signal, a large group's ratio stays below the target (a small one's spreads wider)
-        sizes = {k: params[k].size // (c.n_layer if k in run.BLOCK_NAMES else 1) for k in run.PARAM_NAMES}
-        large = {key: step for key, step in steps.items() if key[0] != "Uf" and sizes[key[0]] >= 1024}
-        assert len(large) == 6 and set(large.values()) == {1}, steps
+        assert 0 < list(steps.values()).count(-1) < len(steps) / 2, steps
         if optimizer == "momentum":  # the rule's own state is updated alongside
             assert any(np.any(got[f"m/{name}"] != 0) for name in run.PARAM_NAMES)
 
