@@ -872,10 +872,12 @@ def init_optimizer(cfg: Config) -> dict:
     noise, each group's noise multiplier (--adapt_noise), from 1 (2**NOISE_SCALE_FRAC). Empty for
     ztest alone."""
     v0 = np.round(2**cfg.scale_shift * u_null_std(cfg) * math.sqrt(2 / math.pi)).astype(int)
-    start = {"m": lambda name: 0, "v": lambda name: int(v0[int(name not in MATRICES)])}
-    start["noise"] = lambda name: 2**NOISE_SCALE_FRAC
+
+    def start(slot: str, name: str) -> int:
+        return {"m": 0, "v": int(v0[int(name not in MATRICES)]), "noise": 2**NOISE_SCALE_FRAC}[slot]
+
     return {
-        f"{slot}/{name}": jnp.full(state_shape(slot, name, cfg), start[slot](name), STATE)
+        f"{slot}/{name}": jnp.full(state_shape(slot, name, cfg), start(slot, name), STATE)
         for slot in optimizer_slots(cfg)
         for name in PARAM_NAMES
     }

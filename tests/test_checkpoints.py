@@ -160,6 +160,8 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
     assert params_hash(final[0]) == params_hash(final[1])
     with np.load(final[0] / "states.npz") as a, np.load(final[1] / "states.npz") as b:
         np.testing.assert_array_equal(a["states"], b["states"])
+    last = json.loads(next((tmp_path / "a").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
+    assert 0.5 <= last["train/noise_scale_min"] < last["train/noise_scale_max"] <= 2  # they spread out
 
 
 def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsys):
