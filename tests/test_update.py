@@ -540,8 +540,7 @@ def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
         assert abs(np.mean(rest) - alpha) < 0.02, (adapt, rest)
 
 
-@pytest.mark.parametrize("optimizer", ["ztest", "momentum"])
-def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio(optimizer):
+def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio():
     """One update with --adapt_noise and fitness that follows layer 0 of Uf only: each group's
     multiplier against a float64 reference (Z by numpy in int64, u, the spread ratio
     sum(u**2) / (entries x E[u**2]), one step down where it is above the median group's, else
@@ -551,7 +550,7 @@ def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio(optimizer)
     args = upstream(
         n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=0.2, adapt_noise=True
     )
-    c = run.make_config(dataclasses.replace(args, optimizer=optimizer))
+    c = run.make_config(args)  # the Z-test: u is computed for the multipliers alone
     noise = run.generation_noise(c, jnp.int32(0))
     scores = run.shape_fitness(jnp.asarray(follow_one_group(c, noise, np.random.default_rng(5))), c)
     params, thresholds, shifts = run.init_params(c), run.z_thresholds(args, c)[0], run.u_shifts(c)
@@ -583,8 +582,6 @@ def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio(optimizer)
                     assert new[k] == np.clip(start[k] + (-1 if r > median else 1), low, high), (name, k)
         assert steps[("Uf", 0)] == (-1 if signal_start > low else 0) and steps[("Uf", 1)] == 0, steps
         assert 0 < list(steps.values()).count(-1) < len(steps) / 2, steps
-        if optimizer == "momentum":  # the rule's own state is updated alongside
-            assert any(np.any(got[f"m/{name}"] != 0) for name in run.PARAM_NAMES)
 
 
 def test_scale_noise_multiplies_each_groups_noise_by_its_multiplier():
