@@ -947,7 +947,7 @@ def adapted_noise(scales: dict, roots: dict) -> dict:
     }
 
 
-def scale_noise(noise, opt, cfg: Config):
+def scale_noise(noise, opt):
     """--adapt_noise: the noise the members are perturbed with, each group's (A, or the full-shape
     noise) times its multiplier q / 2**NOISE_SCALE_FRAC, rounded half away from zero (int8: |entry|
     <= 2 x 46). The update's Z keeps the unscaled noise, so its null and thresholds are unchanged.
@@ -1001,10 +1001,10 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     if cfg.null_from_scores and cfg.optimizer == "ztest" and not cfg.adapt_threshold:
         thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
     new, new_opt, moved, roots = {}, {}, [], {}
+    needs_u = cfg.optimizer != "ztest" or cfg.adapt_threshold or cfg.adapt_noise
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
         kind = int(name not in MATRICES)
-        needs_u = cfg.optimizer != "ztest" or cfg.adapt_threshold or cfg.adapt_noise
         u = standardise(z, shifts[kind]) if needs_u else None
         threshold = (
             adapted_threshold(thresholds[kind], u, name, cfg) if cfg.adapt_threshold else thresholds[kind]
@@ -1089,7 +1089,7 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
         offset = (first // 2) % cfg.distinct_pairs
         local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead), noise)
         if cfg.adapt_noise:
-            local = each(partial(scale_noise, cfg=cfg), local, opt)
+            local = each(scale_noise, local, opt)
         fitness, states = population_fitness(params, local, states, inputs, targets, cfg, sigma_shift)
         if part == "fitness":
             return params, opt, states, fitness, nothing
@@ -2254,15 +2254,14 @@ def train(args: Args) -> dict:
                 }
                 for f, m, setting in zip(fitness, moved, settings, strict=True)
             ]
-            if cfg.adapt_noise:
-                for k, values in enumerate(each):
-                    values.update(noise_scale_range(replica_of(opt, k, cfg)))
             metrics = replica_metrics(each, settings)
             metrics.update({"perf/tokens_per_s": tokens_per_generation / seconds, "perf/seconds": seconds})
             last = done == args.num_epochs
             pbt = args.pbt_every and done % args.pbt_every == 0
             if last or pbt or (args.validate_every and done % args.validate_every == 0):
                 scores = validate(params)
+                if cfg.adapt_noise:  # read at validation only: no host copies on the other generations
+                    metrics.update(replica_metrics(noise_scale_ranges(opt, cfg), settings, summary=False))
                 leader = min(range(cfg.replicas), key=lambda k: (scores[k], k))
                 val_bpb = scores[leader]
                 metrics.update(replica_metrics([{"val/bits_per_byte": v} for v in scores], settings))
@@ -2413,13 +2412,14 @@ def replica_metrics(each: list[dict], settings: list[dict], summary: bool = True
     return out
 
 
-def noise_scale_range(opt: dict) -> dict:
-    """--adapt_noise: the smallest and largest noise multiplier over the groups of one run."""
-    scales = np.concatenate([host_copy(v).reshape(-1) for k, v in opt.items() if k.startswith("noise/")])
-    return {
-        "train/noise_scale_min": float(scales.min()) / 2**NOISE_SCALE_FRAC,
-        "train/noise_scale_max": float(scales.max()) / 2**NOISE_SCALE_FRAC,
-    }
+def noise_scale_ranges(opt: dict, cfg: Config) -> list[dict]:
+    """--adapt_noise: the smallest and largest noise multiplier over the groups, of each replica
+    (one host copy per tensor's multipliers, all replicas at once)."""
+    scales = [host_copy(v).reshape(cfg.replicas, -1) for k, v in opt.items() if k.startswith("noise/")]
+    scales = np.concatenate(scales, axis=1) / 2**NOISE_SCALE_FRAC
+    return [
+        {"train/noise_scale_min": float(x.min()), "train/noise_scale_max": float(x.max())} for x in scales
+    ]
 
 
 def replica_meta(settings: list[dict], scores: list[float], leader: int) -> dict:

@@ -597,8 +597,8 @@ def test_scale_noise_multiplies_each_groups_noise_by_its_multiplier():
             f"noise/{k}": rng.integers(low, high + 1, run.state_shape("noise", k, c)).astype(np.int16)
             for k in run.PARAM_NAMES
         }
-        got = run.scale_noise(noise, opt, c)
-        unit = run.scale_noise(noise, run.init_optimizer(c), c)
+        got = run.scale_noise(noise, opt)
+        unit = run.scale_noise(noise, run.init_optimizer(c))
         for name, nz in noise.items():
             q = opt[f"noise/{name}"].astype(np.int64)
             full = nz[0] if isinstance(nz, tuple) else nz
