@@ -68,6 +68,9 @@ class Args:
     """members that share one data sequence (even, divides the population)"""
     tokens_per_update: int = 100
     """bytes each member predicts per generation"""
+    segments: int = 1
+    """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
+    segments bytes: one update weighs segments times the antithetic pairs, at the same compute"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
@@ -250,6 +253,7 @@ class Config(NamedTuple):
     population: int
     group_size: int
     tokens: int
+    segments: int  # perturbations per member per generation, each on tokens / segments bytes
     seed: int
     sigma_shift: int
     rank: int
@@ -312,6 +316,7 @@ def make_config(args: Args, devices: int | None = None) -> Config:
         population=population,
         group_size=args.group_size,
         tokens=args.tokens_per_update,
+        segments=args.segments,
         seed=first["seed"],
         sigma_shift=first["sigma_shift"],
         rank=args.rank,
@@ -595,10 +600,21 @@ def pair_noise(cfg: Config, bucket, pair):
     return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
 
 
+def noise_pairs(cfg: Config) -> int:
+    """Pairs with their own noise in one generation: segment s's pair k is pair s D + k (D distinct)."""
+    return cfg.segments * cfg.distinct_pairs
+
+
+def scored_pairs(cfg: Config) -> int:
+    """Pair scores one update weighs: every antithetic pair's, in every segment."""
+    return cfg.segments * cfg.population // 2
+
+
 def generation_noise(cfg: Config, generation):
-    """Noise of every distinct pair for this generation: leaves with a leading (pairs,) axis."""
+    """Noise of every distinct pair of every segment for this generation: leaves with a leading
+    (noise_pairs,) axis, segment-major."""
     bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
-    pairs = jnp.arange(cfg.distinct_pairs)
+    pairs = jnp.arange(noise_pairs(cfg))
     return jax.vmap(lambda k: pair_noise(cfg, bucket, k))(pairs)
 
 
@@ -687,15 +703,16 @@ def population_fitness(params, noise, states, inputs, targets, cfg: Config, sigm
 
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
-    """One int8 score per pair from its two members' fitness: the sign of the difference
-    (--fast_fitness), or min(floor(2**FIT_FRAC |d| / mean|d|), 127) with d's sign, exactly for every
-    int32 d, without a wider type. With `axis`, the pairs are spread over that mesh axis and the
-    mean is over all of them."""
-    diff = fitness[0::2] - fitness[1::2]
+    """One int8 score per pair from its two members' fitness (members along the last axis, any
+    leading axes, e.g. segments): the sign of the difference (--fast_fitness), or
+    min(floor(2**FIT_FRAC |d| / mean|d|), 127) with d's sign, the mean over every pair, exactly for
+    every int32 d, without a wider type. With `axis`, the pairs are spread over that mesh axis and
+    the mean is over all of them."""
+    diff = fitness[..., 0::2] - fitness[..., 1::2]
     if cfg.fast_fitness:
         return jnp.sign(diff).astype(jnp.int8)
     size = jnp.abs(diff)
-    pairs = diff.shape[0] * (cfg.devices if axis is not None else 1)
+    pairs = diff.size * (cfg.devices if axis is not None else 1)
     total = (lambda x: jax.lax.psum(jnp.sum(x), axis)) if axis is not None else jnp.sum
     # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs): the first sum
     # is <= max |d| and the second < pairs**2 (both bounded in accumulator_bounds)
@@ -728,7 +745,7 @@ def null_std(cfg: Config) -> tuple[float, float]:
     the noise (the Z-test's null hypothesis), from the exact second moments of the noise tables
     (of their signs under --no-use_clt: the few zero entries count) and of the shaped scores."""
     tables = make_tables(cfg.rank)
-    pairs = cfg.population // 2
+    pairs = scored_pairs(cfg)
 
     def second_moment(table):
         values = table.astype(np.float64) if cfg.use_clt else np.sign(table.astype(np.float64))
@@ -762,7 +779,7 @@ def isqrt(x):
 def expected_square_sum(cfg: Config) -> float:
     """S_null: the expected sum of squared pair weights (scores summed over the pairs sharing a
     noise) under the null, pairs x E[score**2]."""
-    return cfg.population // 2 * shaped_score_rms(cfg.fast_fitness) ** 2
+    return scored_pairs(cfg) * shaped_score_rms(cfg.fast_fitness) ** 2
 
 
 def bit_length(x):
@@ -990,13 +1007,14 @@ def rule_step(z, u, m, v, threshold, cfg: Config):
 def es_update(params, opt, noise, scores, thresholds, cfg: Config):
     """Move each parameter by +-1 where --optimizer's test on the fitness-weighted noise Z passes.
 
-    scores: (pairs,) shaped fitness. Pairs sharing noise are summed first, so Z is one int32
-    matrix product per parameter. opt: the rule's state (init_optimizer). Returns the new
+    scores: (scored_pairs,) shaped fitness, segment-major. Pairs sharing noise are summed first, so
+    Z is one int32 matrix product per parameter. opt: the rule's state (init_optimizer). Returns the new
     parameters, the new state and how many entries moved in each tensor, each layer counted apart
     (so that every count fits int32; the host adds them up).
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
-    weights = scores.astype(i32).reshape(repeats, cfg.distinct_pairs).sum(0)  # (distinct_pairs,)
+    by_noise = scores.astype(i32).reshape(cfg.segments, repeats, cfg.distinct_pairs).sum(1)
+    weights = by_noise.reshape(-1)  # (noise_pairs,), as generation_noise orders them
     shifts = u_shifts(cfg)
     if cfg.null_from_scores and cfg.optimizer == "ztest" and not cfg.adapt_threshold:
         thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
@@ -1075,29 +1093,43 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     def local_step(params, opt, states, batch, generation, thresholds, seed=None, sigma_shift=None):
         first = jax.lax.axis_index(POP) * members
         tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
-        inputs, targets, nothing = tokens[:, :-1], tokens[:, 1:], jnp.zeros((), i32)
-        if cfg.shared_pair_state:
-            states = each(pair_mean, states)
-        if part == "inference":
-            fitness, states = population_fitness(params, None, states, inputs, targets, cfg)
-            return params, opt, states, fitness, nothing
-        # every pair's noise (the update needs them all), from each replica's seed
-        if lead:
-            noise = jax.vmap(lambda s: generation_noise(cfg._replace(seed=s), generation))(seed)
-        else:
-            noise = generation_noise(cfg, generation)
-        offset = (first // 2) % cfg.distinct_pairs
-        local = jax.tree.map(lambda n: jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead), noise)
-        if cfg.adapt_noise:
-            local = each(scale_noise, local, opt)
-        fitness, states = population_fitness(params, local, states, inputs, targets, cfg, sigma_shift)
-        if part == "fitness":
-            return params, opt, states, fitness, nothing
-        scores = jax.lax.all_gather(
-            each(partial(shape_fitness, cfg=cfg, axis=POP), fitness), POP, axis=lead, tiled=True
+        nothing = jnp.zeros((), i32)
+        # (segments, members, T / segments): the bytes of each segment
+        inputs, targets = (
+            jnp.moveaxis(x.reshape(members, cfg.segments, -1), 1, 0) for x in (tokens[:, :-1], tokens[:, 1:])
         )
+        noise, local = None, None
+        if part != "inference":
+            # every pair's noise (the update needs them all), from each replica's seed
+            if lead:
+                noise = jax.vmap(lambda s: generation_noise(cfg._replace(seed=s), generation))(seed)
+            else:
+                noise = generation_noise(cfg, generation)
+            offset = (first // 2) % cfg.distinct_pairs
+
+            def this_device(n):  # ([K,] S D, ...) -> (S, [K,] distinct, ...): each segment's local pairs
+                n = n.reshape(n.shape[:lead] + (cfg.segments, cfg.distinct_pairs) + n.shape[lead + 1 :])
+                return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead + 1), lead, 0)
+
+            local = jax.tree.map(this_device, noise)
+
+        def segment(states, xs):
+            nz, inputs, targets = xs
+            if cfg.shared_pair_state:
+                states = each(pair_mean, states)
+            if cfg.adapt_noise and nz is not None:
+                nz = each(scale_noise, nz, opt)
+            fitness, states = population_fitness(params, nz, states, inputs, targets, cfg, sigma_shift)
+            return states, fitness
+
+        states, fitness = jax.lax.scan(segment, states, (local, inputs, targets))  # (S, [K,] members)
+        if part != "train":
+            return params, opt, states, jnp.sum(fitness, axis=0), nothing
+        shaped = each(partial(shape_fitness, cfg=cfg, axis=POP), jnp.moveaxis(fitness, 0, lead))
+        scores = jax.lax.all_gather(shaped, POP, axis=lead + 1, tiled=True)  # ([K,] S, pairs)
+        scores = scores.reshape(scores.shape[:lead] + (-1,))
         params, opt, moved = each(partial(es_update, cfg=cfg), params, opt, noise, scores, thresholds)
-        return params, opt, states, fitness, moved
+        return params, opt, states, jnp.sum(fitness, axis=0), moved
 
     population = population_spec(lead)
     step = jax.shard_map(
@@ -1177,7 +1209,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     z_noise = a_max * b_max * cfg.rank if cfg.use_clt else cfg.rank
     if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries
         x_b, u_a, z_noise = 0, INT8_MAX * a_fwd * n_in, a_max if cfg.use_clt else 1
-    pairs = cfg.population // 2
+    pairs = scored_pairs(cfg)
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
@@ -1193,7 +1225,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
             "a smaller --parallel_generations_per_gpu, or --fast_fitness",
         ),
         "sum of squared pair weights (--null_from_scores)": (
-            cfg.distinct_pairs * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
+            noise_pairs(cfg) * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
             if cfg.null_from_scores
             else 0,
             "a smaller --parallel_generations_per_gpu, or --fast_fitness",
@@ -1546,6 +1578,7 @@ TRAINING_FLAGS = (
     "adapt_noise",
     "group_size",
     "tokens_per_update",
+    "segments",
     "n_layer",
     "n_embd",
     "mlp_relu",
@@ -1556,7 +1589,7 @@ TRAINING_FLAGS = (
     "pbt_every",
 )
 # What a checkpoint that does not record a flag was trained with: format 2 and older record none
-# of these, format 3 before --adapt_threshold, --adapt_noise and --replicas existed not those
+# of these, format 3 before --adapt_threshold, --adapt_noise, --replicas and --segments existed not those
 MISSING_FLAGS = dict(
     optimizer="ztest",
     momentum_shift=2,
@@ -1567,6 +1600,7 @@ MISSING_FLAGS = dict(
     adapt_noise=False,
     mlp_relu=True,
     replicas=1,
+    segments=1,
     replica_alpha=[],
     replica_alpha_decay_timestep=[],
     replica_sigma_shift=[],
@@ -1810,6 +1844,7 @@ def check_args(args: Args) -> None:
         "keep_checkpoints",
         "num_procs",
         "replicas",
+        "segments",
     )
     for name in positive:
         if getattr(args, name) <= 0:
@@ -1837,6 +1872,11 @@ def check_args(args: Args) -> None:
     n = args.num_perturbations
     if n and (n % 2 or p % n):
         raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
+    if args.tokens_per_update % args.segments:
+        raise UserError(
+            f"--segments must divide --tokens_per_update {args.tokens_per_update} (each segment "
+            f"evaluates as many bytes), got {args.segments}"
+        )
     if args.n_embd % 4:
         raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
     for name in REPLICA_SETTINGS:
@@ -2810,6 +2850,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 
 # --algorithm upstream: upstream's values of every flag whose default here differs from upstream's
 UPSTREAM_ALGORITHM = dict(
+    segments=1,
     optimizer="ztest",
     fast_fitness=True,
     null_from_scores=False,
