@@ -89,7 +89,9 @@ def records(runs):
 
 
 def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
-    procs = layouts([*SHARED_NOISE, "--num_epochs", "3", "--validate_every", "2"], tmp_path)
+    """With --segments 2: each device evaluates its members' slice of every segment's noise."""
+    flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2"]
+    procs = layouts(flags, tmp_path)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
     assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]

@@ -1,5 +1,7 @@
 """The population forward against the independent slow reference (tests/reference.py), exactly."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,79 @@ def test_reference_log_softmax_equals_run_over_the_whole_range():
         for target in (0, 9, int(np.argmin(logits)), 255):
             got = int(run.log2_likelihood(jnp.asarray(logits.astype(np.int8)), target, tables))
             assert got == reference.log2_softmax(logits, target)
+
+
+@pytest.mark.parametrize("shared, fast", [(True, False), (False, True)])
+def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fast):
+    """--segments 3 of 2 bytes: member p evaluates segment s with pair s D + p // 2's noise (D pairs a
+    segment), from its pair's mean state (--shared_pair_state) or its own; one Z-test update weighs
+    every segment's pair. Reference: reference.member_fitness segment by segment, the scores and Z
+    in Python / numpy int64."""
+    args = run.Args(
+        n_embd=8,
+        n_layer=2,
+        parallel_generations_per_gpu=8,
+        tokens_per_update=6,
+        segments=3,
+        rank=2,
+        alpha=0.5,
+        optimizer="ztest",
+        null_from_scores=False,
+        shared_pair_state=shared,
+        fast_fitness=fast,
+    )
+    cfg = run.make_config(args)
+    rng = np.random.default_rng(11)
+    params = random_params(cfg, rng)
+    states, tokens = window(cfg, rng, cfg.population)
+    batch = tokens[0::2]  # group_size 2: a pair's members read one sequence
+    tokens = np.repeat(batch, 2, axis=0)
+    thresholds = run.z_thresholds(args, cfg)[7]
+    step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
+    new, _, final, fitness, _ = jax.tree.map(
+        np.asarray, step(params, {}, states, batch, np.int32(7), thresholds)
+    )
+
+    noise = run.generation_noise(cfg, jnp.int32(7))
+    pairs, length = cfg.population // 2, cfg.tokens // cfg.segments
+    h = states.astype(np.int64)
+    seg_fitness = np.zeros((cfg.segments, cfg.population), np.int64)
+    for s in range(cfg.segments):
+        if shared:
+            mean = reference.round_half_away(h[0::2] + h[1::2], 1)
+            h[0::2], h[1::2] = mean, mean
+        part = slice(s * length, (s + 1) * length)
+        for m in range(cfg.population):
+            seg_fitness[s, m], h[m], _ = reference.member_fitness(
+                params,
+                pair(noise, s * pairs + m // 2),
+                1 - 2 * (m % 2),
+                h[m],
+                tokens[m, :-1][part],
+                tokens[m, 1:][part],
+                cfg.sigma_shift,
+                cfg.mlp_relu,
+            )
+    np.testing.assert_array_equal(final, h)
+    np.testing.assert_array_equal(fitness, seg_fitness.sum(0))
+    diff = (seg_fitness[:, 0::2] - seg_fitness[:, 1::2]).reshape(-1).tolist()  # segment-major
+    mean = max(sum(abs(d) for d in diff) // len(diff), 1)
+    scores = [int(np.sign(d)) * (1 if fast else min(16 * abs(d) // mean, 127)) for d in diff]
+    assert len(set(scores)) > 1 + (not fast)  # signs (and sizes), not all alike
+    moved = 0
+    for name in run.PARAM_NAMES:
+        if isinstance(noise[name], tuple):
+            a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
+            z = np.einsum("k...mr,k...nr->...mn", a * np.reshape(scores, (-1,) + (1,) * (a.ndim - 1)), b)
+        else:
+            z = np.einsum("k...,k->...", np.asarray(noise[name]).astype(np.int64), np.array(scores))
+        step_ = np.sign(z) * (np.abs(z) > thresholds[int(name not in run.MATRICES)])
+        want = np.clip(params[name].astype(np.int64) + step_, -127, 127)
+        np.testing.assert_array_equal(new[name], want, err_msg=name)
+        moved += int(np.sum(want != params[name]))
+    assert moved > 0
+    # the test's null counts every segment's pairs: as many pairs in one segment give its thresholds
+    one = run.make_config(dataclasses.replace(args, segments=1, parallel_generations_per_gpu=24))
+    assert run.null_std(cfg) == run.null_std(one) and run.null_std(cfg) != run.null_std(
+        cfg._replace(segments=1)
+    )

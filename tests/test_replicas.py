@@ -82,13 +82,15 @@ def test_one_replica_is_the_run_from_before_replicas_bit_for_bit(tmp_path, flags
 
 
 def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
-    train(capsys, tmp_path / "three", *THREE, "--num_epochs", "4", "--validate_every", "2")
+    """With --segments 2: every replica's noise of every segment is its own seed's."""
+    flags = ["--segments", "2", "--num_epochs", "4", "--validate_every", "2"]
+    train(capsys, tmp_path / "three", *THREE, *flags)
     together = arrays(final(tmp_path / "three", 4))
     logged = records(tmp_path / "three")
     settings = run.replica_settings(run.parse_args([*TINY, *THREE]))
     for k, setting in enumerate(settings):
         alone_flags = [f"--{name}={value}" for name, value in setting.items()]
-        train(capsys, tmp_path / f"alone{k}", *alone_flags, "--num_epochs", "4", "--validate_every", "2")
+        train(capsys, tmp_path / f"alone{k}", *alone_flags, *flags)
         alone = arrays(final(tmp_path / f"alone{k}", 4))
         assert together.keys() == alone.keys()
         for key, value in alone.items():

@@ -60,7 +60,7 @@ def jaxpr_dtypes(jaxpr):
         dict(optimizer="momentum"),
         dict(optimizer="adam", shared_pair_state=True, mlp_relu=False, adapt_threshold=True),
         dict(optimizer="ztest", adapt_threshold=True),
-        dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0), adapt_noise=True),
+        dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0), adapt_noise=True, segments=3),
     ],
 )
 def test_generation_step_and_validation_have_no_floating_point(overrides):
