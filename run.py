@@ -1218,21 +1218,21 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         "fitness difference of a pair": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
         "Z of a matrix entry": (
             pairs * score_max * z_noise,
-            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "Z of a vector entry": (
             pairs * score_max * (a_max if cfg.use_clt else 1),
-            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "sum of squared pair weights (--null_from_scores)": (
             noise_pairs(cfg) * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
             if cfg.null_from_scores
             else 0,
-            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "sum of |pair difference| mod pairs (normalised fitness)": (
             0 if cfg.fast_fitness else pairs * (pairs - 1),
-            "a smaller --parallel_generations_per_gpu, or --fast_fitness",
+            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "count of moved entries of one layer's tensor": (
             max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES),

@@ -169,3 +169,13 @@ def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
     assert z == bounds["Z of a matrix entry"][0] <= run.INT32_MAX
     v = int(run.z_statistic(a[:, :, 0], weights, cfg)[0])
     assert v == bounds["Z of a vector entry"][0] <= run.INT32_MAX
+
+
+def test_z_bound_counts_every_segments_pairs():
+    """--segments S: one update weighs S times the pairs, so the largest population the Z bound
+    allows is 1 / S of the one without segments (to the search's step), and the refusal names the flag."""
+    base = {"n_embd": 4, "tokens_per_update": 100}
+    alone, _ = largest("parallel_generations_per_gpu", 64, **base)
+    segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
+    assert "Z of" in error and "--segments" in error
+    assert segmented == alone // 4 // 64 * 64
