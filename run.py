@@ -70,7 +70,8 @@ class Args:
     """bytes each member predicts per generation"""
     segments: int = 1
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
-    segments bytes: one update weighs segments times the antithetic pairs, at the same compute"""
+    segments bytes: one update weighs segments times the antithetic pairs for the same forward
+    compute (the noise generated and Z's contraction grow with it)"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
