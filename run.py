@@ -70,8 +70,9 @@ class Args:
     """bytes each member predicts per generation"""
     segments: int = 1
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
-    segments bytes: one update weighs segments times the antithetic pairs for the same forward
-    compute (the noise generated and Z's contraction grow with it)"""
+    segments bytes (one more for the last tokens_per_update % segments; at most one segment per
+    byte): one update weighs segments times the antithetic pairs for the same forward compute (the
+    noise generated and Z's contraction grow with it)"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
@@ -254,7 +255,7 @@ class Config(NamedTuple):
     population: int
     group_size: int
     tokens: int
-    segments: int  # perturbations per member per generation, each on tokens / segments bytes
+    segments: int  # perturbations per member per generation, one after another (segment_lengths)
     seed: int
     sigma_shift: int
     rank: int
@@ -317,7 +318,7 @@ def make_config(args: Args, devices: int | None = None) -> Config:
         population=population,
         group_size=args.group_size,
         tokens=args.tokens_per_update,
-        segments=args.segments,
+        segments=min(args.segments, args.tokens_per_update),
         seed=first["seed"],
         sigma_shift=first["sigma_shift"],
         rank=args.rank,
@@ -599,6 +600,13 @@ def pair_noise(cfg: Config, bucket, pair):
         noise[name] = noise[name] + (values,) if name in noise else (values,)
         offset += size
     return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
+
+
+def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
+    """(count, bytes) of a member's segments in order: the first S - T % S segments take T // S
+    bytes, the last T % S one more (S = --segments, at most T = --tokens_per_update)."""
+    length, longer = divmod(cfg.tokens, cfg.segments)
+    return tuple((count, n) for count, n in ((cfg.segments - longer, length), (longer, length + 1)) if count)
 
 
 def noise_pairs(cfg: Config) -> int:
@@ -1095,10 +1103,6 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
         first = jax.lax.axis_index(POP) * members
         tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
         nothing = jnp.zeros((), i32)
-        # (segments, members, T / segments): the bytes of each segment
-        inputs, targets = (
-            jnp.moveaxis(x.reshape(members, cfg.segments, -1), 1, 0) for x in (tokens[:, :-1], tokens[:, 1:])
-        )
         noise, local = None, None
         if part != "inference":
             # every pair's noise (the update needs them all), from each replica's seed
@@ -1123,7 +1127,17 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
             fitness, states = population_fitness(params, nz, states, inputs, targets, cfg, sigma_shift)
             return states, fitness
 
-        states, fitness = jax.lax.scan(segment, states, (local, inputs, targets))  # (S, [K,] members)
+        parts, segment_start, token_start = [], 0, 0
+        for count, length in segment_lengths(cfg):  # a scan over the segments of each length
+
+            def cut(x, a=token_start, n=count, length=length):  # (n, members, length): each segment's bytes
+                return jnp.moveaxis(x[:, a : a + n * length].reshape(members, n, length), 1, 0)
+
+            nz = jax.tree.map(lambda x, a=segment_start, n=count: x[a : a + n], local)
+            states, out = jax.lax.scan(segment, states, (nz, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
+            parts.append(out)
+            segment_start, token_start = segment_start + count, token_start + count * length
+        fitness = jnp.concatenate(parts)  # (S, [K,] members)
         if part != "train":
             return params, opt, states, jnp.sum(fitness, axis=0), nothing
         shaped = each(partial(shape_fitness, cfg=cfg, axis=POP), jnp.moveaxis(fitness, 0, lead))
@@ -1873,11 +1887,6 @@ def check_args(args: Args) -> None:
     n = args.num_perturbations
     if n and (n % 2 or p % n):
         raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
-    if args.tokens_per_update % args.segments:
-        raise UserError(
-            f"--segments must divide --tokens_per_update {args.tokens_per_update} (each segment "
-            f"evaluates as many bytes), got {args.segments}"
-        )
     if args.n_embd % 4:
         raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
     for name in REPLICA_SETTINGS:

@@ -210,7 +210,6 @@ BAD_INPUT = [
     ),
     (["--num_perturbations", "6"], "--num_perturbations must be even and divide"),
     (["--n_embd", "6"], "--n_embd must be a multiple of 4"),
-    (["--segments", "3"], "--segments must divide --tokens_per_update"),
     (["--alpha", "0"], "--alpha must be > 0"),
     (["--alpha", "-1"], "--alpha must be > 0"),
     (["--alpha", "1e-70"], "--alpha 1e-70 at population 64: the Z-test threshold"),

@@ -112,15 +112,15 @@ def test_reference_log_softmax_equals_run_over_the_whole_range():
 
 @pytest.mark.parametrize("shared, fast", [(True, False), (False, True)])
 def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fast):
-    """--segments 3 of 2 bytes: member p evaluates segment s with pair s D + p // 2's noise (D pairs a
-    segment), from its pair's mean state (--shared_pair_state) or its own; one Z-test update weighs
-    every segment's pair. Reference: reference.member_fitness segment by segment, the scores and Z
-    in Python / numpy int64."""
+    """--segments 3 of 7 bytes (2, 2 and 3 of them): member p evaluates segment s with pair
+    s D + p // 2's noise (D pairs a segment), from its pair's mean state (--shared_pair_state) or its
+    own; one Z-test update weighs every segment's pair. Reference: reference.member_fitness segment
+    by segment, the scores and Z in Python / numpy int64."""
     args = run.Args(
         n_embd=8,
         n_layer=2,
         parallel_generations_per_gpu=8,
-        tokens_per_update=6,
+        tokens_per_update=7,
         segments=3,
         rank=2,
         alpha=0.5,
@@ -142,14 +142,14 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     )
 
     noise = run.generation_noise(cfg, jnp.int32(7))
-    pairs, length = cfg.population // 2, cfg.tokens // cfg.segments
+    pairs, ends = cfg.population // 2, [0, 2, 4, 7]
     h = states.astype(np.int64)
     seg_fitness = np.zeros((cfg.segments, cfg.population), np.int64)
     for s in range(cfg.segments):
         if shared:
             mean = reference.round_half_away(h[0::2] + h[1::2], 1)
             h[0::2], h[1::2] = mean, mean
-        part = slice(s * length, (s + 1) * length)
+        part = slice(ends[s], ends[s + 1])
         for m in range(cfg.population):
             seg_fitness[s, m], h[m], _ = reference.member_fitness(
                 params,
@@ -181,6 +181,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     assert moved > 0
     # the test's null counts every segment's pairs: as many pairs in one segment give its thresholds
     one = run.make_config(dataclasses.replace(args, segments=1, parallel_generations_per_gpu=24))
+    assert run.make_config(dataclasses.replace(args, segments=10)).segments == 7  # one byte each at most
     assert run.null_std(cfg) == run.null_std(one) and run.null_std(cfg) != run.null_std(
         cfg._replace(segments=1)
     )
