@@ -68,7 +68,7 @@ class Args:
     """members that share one data sequence (even, divides the population)"""
     tokens_per_update: int = 100
     """bytes each member predicts per generation"""
-    segments: int = 1
+    segments: int = 10
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
     segments bytes (one more for the last tokens_per_update % segments; at most one segment per
     byte): one update weighs segments times the antithetic pairs for the same forward compute (the

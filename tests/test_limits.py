@@ -120,11 +120,10 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
 
 @pytest.mark.parametrize("use_clt", [True, False])
 def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
-    population, error = largest("parallel_generations_per_gpu", 2, fast_fitness=False, use_clt=use_clt)
+    base = dict(fast_fitness=False, use_clt=use_clt, segments=1)  # every pair's score at once
+    population, error = largest("parallel_generations_per_gpu", 2, **base)
     assert "--fast_fitness" in error
-    cfg = run.make_config(
-        run.Args(parallel_generations_per_gpu=population, fast_fitness=False, use_clt=use_clt)
-    )
+    cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, **base))
     pairs = population // 2
     bounds = run.accumulator_bounds(cfg)
     biggest = run.LL_BOUND * (run.INT32_MAX // run.LL_BOUND)  # the largest pair difference allowed
@@ -154,7 +153,7 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
 
 @pytest.mark.parametrize("use_clt, fast", [(True, True), (False, True), (True, False)])
 def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
-    base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4}
+    base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4, "segments": 1}
     population, error = largest("parallel_generations_per_gpu", 2048, **base)
     assert "Z of" in error
     # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
@@ -175,7 +174,7 @@ def test_z_bound_counts_every_segments_pairs():
     """--segments S: one update weighs S times the pairs, so the largest population the Z bound
     allows is 1 / S of the one without segments (to the search's step), and the refusal names the flag."""
     base = {"n_embd": 4, "tokens_per_update": 100}
-    alone, _ = largest("parallel_generations_per_gpu", 64, **base)
+    alone, _ = largest("parallel_generations_per_gpu", 64, segments=1, **base)
     segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
     assert "Z of" in error and "--segments" in error
     assert segmented == alone // 4 // 64 * 64

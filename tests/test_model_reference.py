@@ -54,6 +54,7 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
         parallel_generations_per_gpu=8,
         group_size=2,
         tokens_per_update=9,
+        segments=1,  # the noise of one segment: population_fitness evaluates one
         rank=rank,
         sigma_shift=sigma_shift,
         mlp_relu=relu,

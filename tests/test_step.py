@@ -131,7 +131,7 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
 
 
 def test_num_perturbations_shares_noise_between_members():
-    args, c, batch = setup(num_perturbations=4, group_size=8)  # one data sequence for all
+    args, c, batch = setup(num_perturbations=4, group_size=8, segments=1)  # one data sequence for all
     params, states = run.init_params(c), run.initial_states(c)
     noise = run.generation_noise(c, jnp.int32(0))
     assert jax.tree.leaves(noise)[0].shape[0] == 2
