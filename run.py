@@ -68,11 +68,11 @@ class Args:
     """members that share one data sequence (even, divides the population)"""
     tokens_per_update: int = 100
     """bytes each member predicts per generation"""
-    segments: int = 10
+    segments: int = 0
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
     segments bytes (one more for the last tokens_per_update % segments; at most one segment per
     byte): one update weighs segments times the antithetic pairs for the same forward compute (the
-    noise generated and Z's contraction grow with it)"""
+    noise generated and Z's contraction grow with it). 0: 10, or as many as keep Z in int32"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
@@ -222,6 +222,9 @@ class Args:
 VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
 INT32_MAX = 2**31 - 1  # every accumulator's worst case stays at or below this (see "Integer ranges")
+AUTO_SEGMENTS = (
+    10  # --segments 0: this many, fewer where the int32 bounds need (Learning more per generation)
+)
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
@@ -312,13 +315,13 @@ def make_config(args: Args, devices: int | None = None) -> Config:
     population = args.parallel_generations_per_gpu * devices // shards
     distinct = args.num_perturbations or population
     first = replica_settings(args)[0]
-    return Config(
+    cfg = Config(
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         population=population,
         group_size=args.group_size,
         tokens=args.tokens_per_update,
-        segments=min(args.segments, args.tokens_per_update),
+        segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
         seed=first["seed"],
         sigma_shift=first["sigma_shift"],
         rank=args.rank,
@@ -337,6 +340,13 @@ def make_config(args: Args, devices: int | None = None) -> Config:
         mlp_relu=args.mlp_relu,
         replicas=args.replicas,
     )
+    while (
+        not args.segments
+        and cfg.segments > 1
+        and max(b for b, _ in accumulator_bounds(cfg).values()) > INT32_MAX
+    ):
+        cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1859,7 +1869,6 @@ def check_args(args: Args) -> None:
         "keep_checkpoints",
         "num_procs",
         "replicas",
-        "segments",
     )
     for name in positive:
         if getattr(args, name) <= 0:
@@ -1876,6 +1885,7 @@ def check_args(args: Args) -> None:
         "temperature",
         "seed",
         "pbt_every",
+        "segments",
     )
     for name in at_least_zero:
         if not getattr(args, name) >= 0:

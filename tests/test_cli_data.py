@@ -171,7 +171,6 @@ POSITIVE = (
     "alpha_decay_timestep",
     "keep_checkpoints",
     "num_procs",
-    "segments",
 )
 AT_LEAST_ZERO = (
     "validate_every",
@@ -184,6 +183,7 @@ AT_LEAST_ZERO = (
     "max_new_bytes",
     "temperature",
     "seed",
+    "segments",
 )
 BAD_INPUT = [
     *[(["--" + name, "0"], f"--{name} must be positive") for name in POSITIVE],

@@ -172,9 +172,19 @@ def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
 
 def test_z_bound_counts_every_segments_pairs():
     """--segments S: one update weighs S times the pairs, so the largest population the Z bound
-    allows is 1 / S of the one without segments (to the search's step), and the refusal names the flag."""
+    allows is 1 / S of the one without segments (to the search's step), and the refusal names the
+    flag; by default a population gets the most segments, up to 10, that the bound allows."""
     base = {"n_embd": 4, "tokens_per_update": 100}
     alone, _ = largest("parallel_generations_per_gpu", 64, segments=1, **base)
     segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
     assert "Z of" in error and "--segments" in error
     assert segmented == alone // 4 // 64 * 64
+    # the default (--segments 0) takes 10, or as many as the bound allows: every population runs
+    for population in (2 * alone // 10, alone // 2, alone):
+        cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, **base))
+        run.check_ranges(cfg)
+        assert cfg.segments == min(10, alone // population)
+        refused = cfg._replace(segments=cfg.segments + 1)
+        assert cfg.segments == 10 or "Z of" in str(
+            pytest.raises(run.UserError, run.check_ranges, refused).value
+        )
