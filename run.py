@@ -1088,10 +1088,11 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     step(params, opt, states, batch, generation, thresholds) -> (params, opt, states, fitness, moved)
     batch: (P / group_size, T + 1) uint8, one data sequence per group of members, replicated.
     Each device evaluates its parallel_generations_per_gpu members (states and fitness are
-    sharded); the one collective gathers every pair's int8 score (half a byte per member); then
-    every device rebuilds all the noise from its counters and applies the identical update to
-    its replicated parameters and update rule state. For --benchmark, part="fitness" stops before
-    the update and part="inference" runs the same members and tokens without noise.
+    sharded); the one collective gathers every pair's int8 score in every segment (half a byte per
+    member and segment); then every device rebuilds all the noise from its counters and applies
+    the identical update to its replicated parameters and update rule state. For --benchmark,
+    part="fitness" stops before the update and part="inference" runs the same members and tokens
+    without noise.
 
     With cfg.replicas = K > 1 every replica runs this same step: params, opt, states and
     thresholds have a leading (K,) axis (the states sharded on their second), and step takes two

@@ -181,7 +181,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
         (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
         (["--fast_fitness", "--noise_reuse", "2"], "--fast_fitness False -> True, --noise_reuse 1 -> 2"),
-        (["--num_perturbations", "8"], "--num_perturbations 0 -> 8"),
+        (["--num_perturbations", "8", "--segments", "2"], "--num_perturbations 0 -> 8, --segments 0 -> 2"),
         (
             ["--optimizer", "adam", "--momentum_shift", "3", "--scale_shift", "5"],
             "--optimizer momentum -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
@@ -209,7 +209,8 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     meta = json.loads(written)
     meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.MISSING_FLAGS}
     meta_path.write_text(json.dumps({**meta, "format": 2}))
-    as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu"]  # momentum: the default
+    # momentum: the default; a checkpoint of then had one segment
+    as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu", "--segments", "1"]
     one_line_error(in_process(capsys, *base, *as_before), "--optimizer ztest -> momentum; ")
     meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes

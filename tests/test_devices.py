@@ -170,7 +170,8 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
 
 SHARDED = """
 import jax, numpy as np, run
-args = run.Args(n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4, fast_fitness={fast})
+args = run.Args(n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4, tokens_per_update=8,
+                fast_fitness={fast})
 mesh = run.population_mesh()
 cfg = run.make_config(args, mesh.size)
 params = jax.eval_shape(lambda: run.init_params(cfg))
@@ -184,6 +185,7 @@ for name, hlo in programs.items():
     print("floats", name, [t for t in ("f16", "bf16", "f32", "f64") if t in hlo])
 for op, size in run.collective_traffic(programs["step"]):
     print(op, size)
+print("segments", cfg.segments)
 print("params", run.num_parameters(cfg))
 """
 
@@ -208,12 +210,15 @@ def test_only_fitness_crosses_devices_and_the_sharded_programs_have_no_float():
             for line in out.strip().splitlines()
         ]
         params = int(lines.pop()[1])
+        segments = int(lines.pop()[1])
         floats = [line for line in lines if line[0] == "floats"]
         assert floats == [["floats", "step", "[]"], ["floats", "evaluate", "[]"]], floats
         collectives = [(line[0], int(line[1])) for line in lines if line[0] != "floats"]
         print("fast" if fast else "normalised", collectives, "parameters", params)
         gathers = [size for op, size in collectives if op == "all-gather"]
-        assert gathers == [512]  # one int8 score per pair of the population of 1024
+        assert segments == 8 and gathers == [
+            512 * segments
+        ]  # an int8 score per pair and segment, 1024 members
         others = [(op, size) for op, size in collectives if op != "all-gather"]
         # the two int32 sums of the exact mean |difference| (XLA may combine them into one)
         assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 8 * (

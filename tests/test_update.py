@@ -334,6 +334,7 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
         fast_fitness=fast,
         alpha=alpha,
         num_epochs=1,
+        segments=1,  # the null std of one segment's pairs
     )
     cfg = run.make_config(args)
     thresholds, shifts = run.z_thresholds(args, cfg)[0], run.u_shifts(cfg)
