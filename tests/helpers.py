@@ -25,6 +25,14 @@ def cli(*flags, cwd=ROOT, env=None, timeout=600):
     )
 
 
+def optimised_env() -> dict:
+    """This environment with XLA's backend optimisation back on (conftest.py turns it off for the
+    compile-bound tests): for a subprocess that trains long enough for it to pay (3x here)."""
+    return dict(
+        os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
+    )
+
+
 def one_line_error(result, message):
     """Bad input: exit code 2 and one line on stderr holding `message`, no traceback."""
     assert result.returncode == 2, result.stderr[-1000:]
