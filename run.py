@@ -222,9 +222,7 @@ class Args:
 VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
 INT32_MAX = 2**31 - 1  # every accumulator's worst case stays at or below this (see "Integer ranges")
-AUTO_SEGMENTS = (
-    10  # --segments 0: this many, fewer where the int32 bounds need (Learning more per generation)
-)
+AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
@@ -2248,6 +2246,7 @@ def train(args: Args) -> dict:
     log(
         f"egg-jax {name}: {replicas}{num_params:,} int8 parameters, population {cfg.population} on "
         f"{mesh.size} {jax.devices()[0].platform} device(s){split} in {jax.process_count()} process(es), "
+        f"{cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an update), "
         f"{len(train_bytes):,} training bytes, {valid_rows.size:,} validation bytes"
     )
     log(

@@ -93,7 +93,7 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2"]
     procs = layouts(flags, tmp_path)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
-    assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
+    assert "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs" in outs["one"]
     assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
     assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
     hashes = {layout: digest(tmp_path / layout, 3) for layout in procs}
