@@ -223,6 +223,7 @@ VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
 INT32_MAX = 2**31 - 1  # every accumulator's worst case stays at or below this (see "Integer ranges")
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
+SEGMENT_STEP = 0x9E3779B9  # odd (2**32 / golden ratio): segment s's words are remixed from word + s x this
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
@@ -569,10 +570,11 @@ def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect:
 
 
 # ------------------------------------------------------------------------------------------------
-# Noise. Every entry is a pure function of (seed, generation // noise_reuse, pair, offset) through
-# JAX's counter-based threefry RNG: nothing is pre-sampled or stored between generations. One
-# stream of bytes per pair is cut into every parameter's noise: matrices get rank-r factors
-# A (m, r), B (n, r); vectors (and matrices under --rank 0) full-shape noise.
+# Noise. Every entry is a pure function of (seed, generation // noise_reuse, pair, segment, offset)
+# through JAX's counter-based threefry RNG: nothing is pre-sampled or stored between generations.
+# One stream of bytes per pair is cut into every parameter's noise: matrices get rank-r factors
+# A (m, r), B (n, r); vectors (and matrices under --rank 0) full-shape noise. Segment 0's stream
+# is threefry's; segment s >= 1 remixes it with a cheap bijection keyed by s (mix_segment).
 
 
 def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
@@ -591,23 +593,51 @@ def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
     return pieces
 
 
-def pair_noise(cfg: Config, bucket, pair):
-    """Noise of one antithetic pair: {name: (A, B) or full-shape noise}, int8 at NOISE_FRAC;
-    block parameters carry a leading n_layer axis. One threefry call draws all the pair's bytes."""
-    tables = make_tables(cfg.rank)
+def pair_words(cfg: Config, bucket, pair):
+    """Segment 0's stream of a pair: threefry's 32-bit words of key (seed, 1, bucket, pair), one
+    threefry block per word (4 noise bytes), not per byte."""
     root = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 1)  # 0: init
     key = jax.random.fold_in(jax.random.fold_in(root, bucket), pair)
-    pieces = noise_pieces(cfg)
-    total = sum(math.prod(shape) for _, shape, _ in pieces)
-    words = jax.random.bits(key, (-(-total // 4),), jnp.uint32)  # a threefry block per word, not per byte
+    total = sum(math.prod(shape) for _, shape, _ in noise_pieces(cfg))
+    return jax.random.bits(key, (-(-total // 4),), jnp.uint32)
+
+
+def lowbias32(x):
+    """A bijection of uint32 with full avalanche (C. Wellons' lowbias32: xorshift-multiply)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def mix_segment(words, segment: int):
+    """Segment s's stream from segment 0's: lowbias32 twice of each word plus s x SEGMENT_STEP (a
+    bijection for each s, so every word stays uniform; distinct s give unrelated words): 14
+    integer operations a word where threefry takes about a hundred."""
+    if segment == 0:
+        return words
+    return lowbias32(lowbias32(words + jnp.uint32(segment * SEGMENT_STEP % 2**32)))
+
+
+def words_to_noise(cfg: Config, words):
+    """A pair's noise from its stream: {name: (A, B) or full-shape noise}, int8 at NOISE_FRAC; block
+    parameters carry a leading n_layer axis. Byte i (little-endian within each word) indexes the
+    table of noise entry i, pieces in noise_pieces order."""
+    tables = make_tables(cfg.rank)
     bits = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
     noise, offset = {}, 0
-    for name, shape, table in pieces:
+    for name, shape, table in noise_pieces(cfg):
         size = math.prod(shape)
         values = jnp.asarray(getattr(tables, table))[bits[offset : offset + size].reshape(shape)]
         noise[name] = noise[name] + (values,) if name in noise else (values,)
         offset += size
     return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
+
+
+def pair_noise(cfg: Config, bucket, pair, segment: int = 0):
+    """Noise of one antithetic pair in one segment (segment_lengths): words_to_noise of its stream."""
+    return words_to_noise(cfg, mix_segment(pair_words(cfg, bucket, pair), segment))
 
 
 def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
@@ -618,7 +648,7 @@ def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
 
 
 def noise_pairs(cfg: Config) -> int:
-    """Pairs with their own noise in one generation: segment s's pair k is pair s D + k (D distinct)."""
+    """Pairs with their own noise in one generation: segment s's pair k has index s D + k (D distinct)."""
     return cfg.segments * cfg.distinct_pairs
 
 
@@ -629,10 +659,11 @@ def scored_pairs(cfg: Config) -> int:
 
 def generation_noise(cfg: Config, generation):
     """Noise of every distinct pair of every segment for this generation: leaves with a leading
-    (noise_pairs,) axis, segment-major."""
+    (noise_pairs,) axis, segment-major: segment s's pair k is pair_noise(cfg, bucket, k, s)."""
     bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
-    pairs = jnp.arange(noise_pairs(cfg))
-    return jax.vmap(lambda k: pair_noise(cfg, bucket, k))(pairs)
+    words = jax.vmap(lambda k: pair_words(cfg, bucket, k))(jnp.arange(cfg.distinct_pairs))
+    words = jnp.concatenate([mix_segment(words, s) for s in range(cfg.segments)])
+    return jax.vmap(partial(words_to_noise, cfg))(words)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -757,10 +788,29 @@ def shaped_score_rms(fast_fitness: bool) -> float:
     return math.sqrt(second + INT8_MAX**2 * 2 * (1 - cdf(INT8_MAX * width)))
 
 
+def weighted_max(cfg: Config) -> int:
+    """Largest |w_j a| of a low-rank matrix's Z operand: a pair weight w_j (the scores of the pairs
+    sharing noise j, summed) times an entry a of A (its sign under --no-use_clt)."""
+    repeats = cfg.population // (2 * cfg.distinct_pairs)
+    noise_max = int(np.abs(make_tables(cfg.rank).gauss).max()) if cfg.use_clt else 1
+    return noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX)
+
+
+def weighted_shift(cfg: Config) -> int:
+    """k of a low-rank matrix's Z operand round(w_j A_j / 2**k) (half away from zero), the smallest
+    that keeps it int8, so that Z is an int8 x int8 product (2.2x faster than int16 x int8 on the
+    CPU; the GPU's integer GEMMs take int8): 0 for sign scores (46 <= 127), 6 for normalised scores
+    (127 x 46 = 5,842 -> 91), more where pairs share noise."""
+    bound = weighted_max(cfg)
+    return next(k for k in range(32) if (bound + ((1 << k) >> 1)) >> k <= INT8_MAX)
+
+
 def null_std(cfg: Config) -> tuple[float, float]:
     """Standard deviation of Z for a matrix entry and a vector entry when fitness is unrelated to
     the noise (the Z-test's null hypothesis), from the exact second moments of the noise tables
-    (of their signs under --no-use_clt: the few zero entries count) and of the shaped scores."""
+    (of their signs under --no-use_clt: the few zero entries count) and of the shaped scores. A
+    low-rank matrix's Z sums round(w_j a / 2**k) b (weighted_shift): its variance is the exact one
+    over 4**k, plus the rounding's (at most 1/12 a term: under 0.4% of it for normalised scores)."""
     tables = make_tables(cfg.rank)
     pairs = scored_pairs(cfg)
 
@@ -769,8 +819,12 @@ def null_std(cfg: Config) -> tuple[float, float]:
         return float(np.mean(values**2))
 
     a, b = second_moment(tables.gauss), second_moment(tables.gauss_rank)
-    vector = shaped_score_rms(cfg.fast_fitness) * math.sqrt(pairs * a)
-    return (vector * math.sqrt(cfg.rank * b) if cfg.rank else vector), vector
+    weighted = pairs * shaped_score_rms(cfg.fast_fitness) ** 2 * a  # variance of sum_j w_j a_j
+    if not cfg.rank:
+        return math.sqrt(weighted), math.sqrt(weighted)
+    k = weighted_shift(cfg)
+    rounding = noise_pairs(cfg) / 12 if k else 0.0
+    return math.sqrt((weighted / 4**k + rounding) * cfg.rank * b), math.sqrt(weighted)
 
 
 def alpha_schedule(args: Args) -> np.ndarray:
@@ -868,22 +922,16 @@ def z_thresholds(args: Args, cfg: Config) -> np.ndarray:
     return np.minimum(np.floor(z[:, None] * stds[None, :]), INT32_MAX).astype(np.int32)
 
 
-def z_dtype(cfg: Config):
-    """Smallest integer type holding a score times a noise entry (the update's left operand)."""
-    repeats = cfg.population // (2 * cfg.distinct_pairs)
-    noise_max = int(np.abs(make_tables(cfg.rank).gauss).max()) if cfg.use_clt else 1
-    bound = noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX)
-    return jnp.int8 if bound <= INT8_MAX else jnp.int16 if bound < 2**15 else i32
-
-
 def z_statistic(noise, weights, cfg: Config):
-    """Z of one parameter: sum_k w_k A_k B_k^T for a low-rank matrix (A, B), else sum_k w_k E_k
-    (a vector, or a --rank 0 matrix); under --no-use_clt the noise's signs replace its values.
-    Leading axis of the noise: k."""
+    """Z of one parameter: sum_j round(w_j A_j / 2**k) B_j^T for a low-rank matrix (A, B), an int8 x
+    int8 product (k = weighted_shift: Z / 2**k up to the rounding), else sum_j w_j E_j exactly (a
+    vector, or a --rank 0 matrix); under --no-use_clt the noise's signs replace its values. Leading
+    axis of the noise: j."""
     prepare = (lambda n: n) if cfg.use_clt else jnp.sign
     if isinstance(noise, tuple):
         a, b = map(prepare, noise)
-        weighted = (a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))).astype(z_dtype(cfg))
+        product = a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))
+        weighted = round_shift(product, weighted_shift(cfg)).astype(jnp.int8)
         return jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
     return jnp.einsum("k...,k->...", prepare(noise), weights, preferred_element_type=i32)
 
@@ -1230,10 +1278,13 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     x_b = INT8_MAX * b_max * n_in  # x B
     u_a = (x_b >> NOISE_FRAC) * a_fwd * cfg.rank  # ((x B) >> 4) A^T
     score_max = 1 if cfg.fast_fitness else INT8_MAX
-    z_noise = a_max * b_max * cfg.rank if cfg.use_clt else cfg.rank
-    if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries
-        x_b, u_a, z_noise = 0, INT8_MAX * a_fwd * n_in, a_max if cfg.use_clt else 1
     pairs = scored_pairs(cfg)
+    z_vector = pairs * score_max * (a_max if cfg.use_clt else 1)
+    k = weighted_shift(cfg)  # a low-rank Z sums int8 round(w_j a / 2**k) times b
+    z_matrix = noise_pairs(cfg) * ((weighted_max(cfg) + ((1 << k) >> 1)) >> k) * cfg.rank
+    z_matrix *= b_max if cfg.use_clt else 1
+    if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries as a vector's does
+        x_b, u_a, z_matrix = 0, INT8_MAX * a_fwd * n_in, z_vector
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
@@ -1241,11 +1292,11 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         # both members' fitness lie in [-LL_BOUND T, 0]
         "fitness difference of a pair": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
         "Z of a matrix entry": (
-            pairs * score_max * z_noise,
+            z_matrix,
             "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "Z of a vector entry": (
-            pairs * score_max * (a_max if cfg.use_clt else 1),
+            z_vector,
             "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
         ),
         "sum of squared pair weights (--null_from_scores)": (

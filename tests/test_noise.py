@@ -186,6 +186,58 @@ def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
     assert offset == total and offset > len(run.PARAM_NAMES)
 
 
+def numpy_lowbias32(x):
+    """C. Wellons' lowbias32 in numpy uint32 arithmetic (products wrap modulo 2**32)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def test_segment_noise_is_segment_zeros_stream_remixed():
+    """The documented contract of --segments: segment s >= 1's stream of pair k is lowbias32
+    applied twice to each of segment 0's threefry words plus s x 0x9E3779B9 (mod 2**32), cut and
+    looked up as segment 0's; generation_noise lays the pairs out segment-major (s D + k)."""
+    c = cfg(n_embd=8, n_layer=2, rank=2, seed=5, segments=3, tokens_per_update=9)
+    bucket, pair = 3, 1
+    words = np.asarray(run.pair_words(c, bucket, pair))
+    batched = run.generation_noise(c, jnp.int32(bucket))
+    for segment in range(c.segments):
+        with np.errstate(over="ignore"):
+            mixed = words + np.uint32(segment * 0x9E3779B9 % 2**32)
+            mixed = numpy_lowbias32(numpy_lowbias32(mixed)) if segment else words
+        want = run.words_to_noise(c, jnp.asarray(mixed))
+        got = run.pair_noise(c, bucket, pair, segment)
+        laid_out = jax.tree.map(lambda x, s=segment: x[s * c.distinct_pairs + pair], batched)
+        for x, y, z in zip(*map(jax.tree.leaves, (want, got, laid_out)), strict=True):
+            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, z)
+
+
+def test_segments_noise_is_independent_and_normal_like_segment_zeros():
+    """Remixed streams keep the table's distribution and share nothing with segment 0 or each
+    other: means and variances as intended, correlations within 5 standard errors, and the joint
+    distribution of two segments' bytes (their top 4 bits, 16 x 16 cells) uniform by a chi-square
+    test at the 0.1% level."""
+    c = cfg(n_embd=64, segments=3)
+    words = jnp.stack([run.pair_words(c, 0, k) for k in range(4)])
+    streams = [np.asarray(run.mix_segment(words, s)).ravel() for s in range(3)]
+    gauss = run.make_tables(1).gauss.astype(np.float64)
+    for s in (1, 2):
+        values = flat(jax.vmap(lambda w, s=s: run.words_to_noise(c, run.mix_segment(w, s)))(words))
+        n = values.size
+        assert abs(values.mean()) < 5 * math.sqrt(gauss.var() / n)
+        assert abs(values.var() - gauss.var()) < 5 * math.sqrt((np.mean(gauss**4) - gauss.var() ** 2) / n)
+        for other in range(s):
+            x, y = (streams[i].view(np.uint8).astype(np.float64) for i in (s, other))
+            assert abs(corr(gauss[x.astype(int)], gauss[y.astype(int)])) < 5 / math.sqrt(x.size)
+            counts = np.histogram2d(x // 16, y // 16, bins=16, range=[[0, 16], [0, 16]])[0]
+            expected = x.size / 256
+            chi2 = float(np.sum((counts - expected) ** 2 / expected))
+            assert chi2 < 330, chi2  # 255 degrees of freedom: P(chi2 > 330) < 0.001
+
+
 def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
     """--sigma_shift is refused beyond the shift at which every table entry rounds to 0."""
     table = jnp.asarray(run.make_tables(1).gauss)

@@ -23,9 +23,30 @@ def tiny(**overrides):
     )
 
 
+def rounded(x: int, k: int) -> int:
+    """x / 2**k rounded half away from zero, in Python integers."""
+    q = (abs(x) + ((1 << k) >> 1)) >> k
+    return q if x >= 0 else -q
+
+
+def operand_shift(c) -> int:
+    """The README's k: the smallest shift that brings every w_j a (w_j the summed scores of the pairs
+    sharing noise j, a an entry of A or its sign) within int8."""
+    repeats = c.population // (2 * c.distinct_pairs)
+    largest = (int(np.abs(run.make_tables(c.rank).gauss).max()) if c.use_clt else 1) * repeats
+    largest *= 1 if c.fast_fitness else 127
+    return next(k for k in range(32) if rounded(largest, k) <= 127)
+
+
 def reference_z(params, noise, scores, c):
-    """Entry by entry: Z = sum over pairs k of score_k * sum_r a_k[i, r] * b_k[j, r]."""
-    pairs = c.population // 2
+    """Entry by entry, as the README states it: w_j = the sum of the scores of the pairs k with
+    noise j = k mod D; a low-rank matrix's Z = sum_j sum_r round(w_j a_j[i, r] / 2**k) b_j[l, r]
+    (operand_shift's k), any other Z = sum_j w_j e_j[i]."""
+    weights = [
+        sum(int(scores[k]) for k in range(j, c.population // 2, c.distinct_pairs))
+        for j in range(c.distinct_pairs)
+    ]
+    shift = operand_shift(c)
     zs = {}
     for name, p in params.items():
         low_rank = isinstance(noise[name], tuple)
@@ -39,14 +60,15 @@ def reference_z(params, noise, scores, c):
                 v_all = np.sign(v_all)
         z = np.zeros(np.shape(p), np.int64)
         for index in np.ndindex(z.shape):
-            for k in range(pairs):
-                j = k % c.distinct_pairs
+            for j, w in enumerate(weights):
                 if low_rank:
                     *layer, row, col = index
                     a, b = a_all[j][tuple(layer)], b_all[j][tuple(layer)]
-                    z[index] += int(scores[k]) * sum(int(a[row, r] * b[col, r]) for r in range(c.rank))
+                    z[index] += sum(
+                        rounded(w * int(a[row, r]), shift) * int(b[col, r]) for r in range(c.rank)
+                    )
                 else:
-                    z[index] += int(scores[k]) * int(v_all[j][index])
+                    z[index] += w * int(v_all[j][index])
         zs[name] = z
     return zs
 
@@ -171,8 +193,8 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
 def null_z(cfg, rng, pairs, entries, fitness=None):
     """One generation under the null: scores shaped from fitness unrelated to the noise (normal
     unless given), and Z of `entries` matrix entries and `entries` vector entries drawn from the
-    noise tables, each from run.z_statistic and checked against a plain numpy sum (float64: exact
-    below 2**53). Returns them and the sum of squared scores."""
+    noise tables, each from run.z_statistic and checked against a plain numpy sum of the README's
+    terms (float64: exact below 2**53). Returns them and the sum of squared scores."""
     tables = run.make_tables(cfg.rank)
 
     def draw(table, shape):
@@ -192,7 +214,10 @@ def null_z(cfg, rng, pairs, entries, fitness=None):
     if cfg.rank:
         a, b = draw(tables.gauss, (pairs, side, cfg.rank)), draw(tables.gauss_rank, (pairs, side, cfg.rank))
         z_matrix = np.asarray(run.z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
-        want = sum((shaped[:, None] * plain(a[:, :, r])).T @ plain(b[:, :, r]) for r in range(cfg.rank))
+        product = shaped[:, None, None].astype(np.int64) * plain(a).astype(np.int64)
+        shift = operand_shift(cfg)
+        operand = np.sign(product) * ((np.abs(product) + ((1 << shift) >> 1)) >> shift)  # half away from 0
+        want = sum(operand[:, :, r].T.astype(np.float64) @ plain(b[:, :, r]) for r in range(cfg.rank))
     else:  # --rank 0: a matrix entry has one full-rank noise value, as a vector entry does
         full = draw(tables.gauss, (pairs, side, side))
         z_matrix = np.asarray(run.z_statistic(jnp.asarray(full), weights, cfg))
@@ -241,12 +266,6 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
         print(f"{kind}: threshold {threshold}, z x measured std {z * measured_std:.1f}, share {share:.4f}")
         assert abs(threshold / (z * measured_std) - 1) < 0.018, kind
         assert abs(share - alpha) < 0.009, kind
-
-
-def rounded(x: int, k: int) -> int:
-    """x / 2**k rounded half away from zero, in Python integers."""
-    q = (abs(x) + ((1 << k) >> 1)) >> k
-    return q if x >= 0 else -q
 
 
 def reference_rule(z: int, m: int, v: int, threshold: int, shift: int, c) -> tuple[int, int, int]:
