@@ -72,7 +72,7 @@ class Args:
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
     segments bytes (one more for the last tokens_per_update % segments; at most one segment per
     byte): one update weighs segments times the antithetic pairs for the same forward compute (the
-    noise generated and Z's contraction grow with it). 0: 10, or as many as keep Z in int32"""
+    noise generated and Z's contraction grow with it). 0: 10, or as many as keep the int32 bounds"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"

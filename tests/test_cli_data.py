@@ -230,7 +230,7 @@ BAD_INPUT = [
     (["--min_p", "-0.1"], "--min_p must be in [0, 1]"),
     (["--num_procs", "2", "--proc_id", "2"], "--proc_id must be in [0, --num_procs)"),
     (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
-    (["--no-fast_fitness", "--parallel_generations_per_gpu", "32768"], "or --fast_fitness"),
+    (["--no-fast_fitness", "--parallel_generations_per_gpu", "131072"], "or --fast_fitness"),
     (["--tokens_per_update", "400000"], "use a smaller --tokens_per_update"),
     (["--n_embd", "65536"], "use a smaller --n_embd"),
 ]
