@@ -635,11 +635,6 @@ def words_to_noise(cfg: Config, words):
     return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
 
 
-def pair_noise(cfg: Config, bucket, pair, segment: int = 0):
-    """Noise of one antithetic pair in one segment (segment_lengths): words_to_noise of its stream."""
-    return words_to_noise(cfg, mix_segment(pair_words(cfg, bucket, pair), segment))
-
-
 def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
     """(count, bytes) of a member's segments in order: the first S - T % S segments take T // S
     bytes, the last T % S one more (S = --segments, at most T = --tokens_per_update)."""
@@ -659,7 +654,9 @@ def scored_pairs(cfg: Config) -> int:
 
 def generation_noise(cfg: Config, generation):
     """Noise of every distinct pair of every segment for this generation: leaves with a leading
-    (noise_pairs,) axis, segment-major: segment s's pair k is pair_noise(cfg, bucket, k, s)."""
+    (noise_pairs,) axis, segment-major: segment s's pair k is
+    words_to_noise(cfg, mix_segment(pair_words(cfg, bucket, k), s)). Threefry runs once per
+    distinct pair, the remix once per segment."""
     bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
     words = jax.vmap(lambda k: pair_words(cfg, bucket, k))(jnp.arange(cfg.distinct_pairs))
     words = jnp.concatenate([mix_segment(words, s) for s in range(cfg.segments)])
@@ -796,13 +793,17 @@ def weighted_max(cfg: Config) -> int:
     return noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX)
 
 
+def shifted(x: int, k: int) -> int:
+    """|x| / 2**k rounded half up: the magnitude round_shift gives, for a host integer."""
+    return (abs(x) + ((1 << k) >> 1)) >> k
+
+
 def weighted_shift(cfg: Config) -> int:
     """k of a low-rank matrix's Z operand round(w_j A_j / 2**k) (half away from zero), the smallest
     that keeps it int8, so that Z is an int8 x int8 product (2.2x faster than int16 x int8 on the
     CPU; the GPU's integer GEMMs take int8): 0 for sign scores (46 <= 127), 6 for normalised scores
     (127 x 46 = 5,842 -> 91), more where pairs share noise."""
-    bound = weighted_max(cfg)
-    return next(k for k in range(32) if (bound + ((1 << k) >> 1)) >> k <= INT8_MAX)
+    return next(k for k in range(32) if shifted(weighted_max(cfg), k) <= INT8_MAX)
 
 
 def null_std(cfg: Config) -> tuple[float, float]:
@@ -1281,7 +1282,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     pairs = scored_pairs(cfg)
     z_vector = pairs * score_max * (a_max if cfg.use_clt else 1)
     k = weighted_shift(cfg)  # a low-rank Z sums int8 round(w_j a / 2**k) times b
-    z_matrix = noise_pairs(cfg) * ((weighted_max(cfg) + ((1 << k) >> 1)) >> k) * cfg.rank
+    z_matrix = noise_pairs(cfg) * shifted(weighted_max(cfg), k) * cfg.rank
     z_matrix *= b_max if cfg.use_clt else 1
     if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries as a vector's does
         x_b, u_a, z_matrix = 0, INT8_MAX * a_fwd * n_in, z_vector

@@ -174,7 +174,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
             a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
             product = a * np.reshape(scores, (-1,) + (1,) * (a.ndim - 1))
             shift = 0 if fast else 6  # the int8 operand: |score x a| <= 127 x 46 = 5,842 -> 91
-            operand = np.sign(product) * ((np.abs(product) + ((1 << shift) >> 1)) >> shift)
+            operand = reference.round_half_away(product, shift)
             z = np.einsum("k...mr,k...nr->...mn", operand, b)
         else:
             z = np.einsum("k...,k->...", np.asarray(noise[name]).astype(np.int64), np.array(scores))

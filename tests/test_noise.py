@@ -16,14 +16,19 @@ def cfg(**overrides):
     return run.make_config(run.Args(**args))
 
 
+def pair_noise(c, bucket, pair, segment=0):
+    """One pair's noise in one segment, as generation_noise builds it for every pair."""
+    return run.words_to_noise(c, run.mix_segment(run.pair_words(c, bucket, pair), segment))
+
+
 def flat(noise):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(noise)]).astype(np.float64)
 
 
 def test_same_counters_give_the_same_values_jitted_or_not():
     c = cfg(n_embd=8, n_layer=1)
-    eager = run.pair_noise(c, 3, 2)
-    jitted = jax.jit(lambda b, k: run.pair_noise(c, b, k))(3, 2)
+    eager = pair_noise(c, 3, 2)
+    jitted = jax.jit(lambda b, k: pair_noise(c, b, k))(3, 2)
     batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, jnp.int32(3)))
     leaves = (jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched))
     for x, y, z in zip(*leaves, strict=True):
@@ -33,7 +38,7 @@ def test_same_counters_give_the_same_values_jitted_or_not():
 
 def test_mean_and_variance_as_intended():
     c = cfg(n_embd=64)
-    values = np.concatenate([flat(run.pair_noise(c, 0, k)) for k in range(8)])
+    values = np.concatenate([flat(pair_noise(c, 0, k)) for k in range(8)])
     gauss = run.make_tables(1).gauss.astype(np.float64)
     mean, var = gauss.mean(), gauss.var()  # the table is every quantile once: exact moments
     assert mean == 0 and 15**2 < var < 16**2  # N(0, 1) at 4 fractional bits, tails cut at 2.9 sd
@@ -57,9 +62,9 @@ def corr(x, y):
 
 def test_independence_between_pairs_parameters_and_generations():
     c = cfg(n_embd=64)
-    base = run.pair_noise(c, 0, 0)
-    other_pair = run.pair_noise(c, 0, 1)
-    other_generation = run.pair_noise(c, 1, 0)
+    base = pair_noise(c, 0, 0)
+    other_pair = pair_noise(c, 0, 1)
+    other_generation = pair_noise(c, 1, 0)
     bound = 5 / math.sqrt(flat(base).size)
     assert abs(corr(flat(base), flat(other_pair))) < bound
     assert abs(corr(flat(base), flat(other_generation))) < bound
@@ -81,7 +86,7 @@ def test_noise_reuse():
 
 
 def test_antithetic_members_get_opposite_perturbations():
-    nz = run.pair_noise(cfg(), 0, 0)["bf"][0]
+    nz = pair_noise(cfg(), 0, 0)["bf"][0]
     zero = jnp.zeros(16, jnp.int8)
     plus = np.asarray(run.vector(zero, nz, 1, 4))
     minus = np.asarray(run.vector(zero, nz, -1, 4))
@@ -119,7 +124,7 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_embedding_perturbation_equals_explicit_row(rank):
     c = cfg(n_embd=16, rank=rank, sigma_shift=1)
-    nz = run.pair_noise(c, 0, 2)["emb"]
+    nz = pair_noise(c, 0, 2)["emb"]
     params = run.init_params(c)
     a, b = (np.asarray(x, np.float64) for x in nz)
     explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-c.sigma_shift * (a @ b.T) / 2**8
@@ -141,7 +146,7 @@ def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
         want = np.clip(x.astype(np.float64) @ w_real.T / math.sqrt(64), -127, 127)
         got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(e), sign, c.sigma_shift))
         assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
-    full = run.pair_noise(c, 0, 0)
+    full = pair_noise(c, 0, 0)
     assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)
 
 
@@ -175,7 +180,7 @@ def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
     words = np.asarray(jax.random.bits(key, (-(-total // 4),), jnp.uint32))
     stream = words.astype("<u4").view(np.uint8)
     tables = run.make_tables(c.rank)
-    noise, offset = run.pair_noise(c, bucket, pair), 0
+    noise, offset = pair_noise(c, bucket, pair), 0
     seen = {}
     for name, shape, table in pieces:
         size = math.prod(shape)
@@ -208,7 +213,7 @@ def test_segment_noise_is_segment_zeros_stream_remixed():
             mixed = words + np.uint32(segment * 0x9E3779B9 % 2**32)
             mixed = numpy_lowbias32(numpy_lowbias32(mixed)) if segment else words
         want = run.words_to_noise(c, jnp.asarray(mixed))
-        got = run.pair_noise(c, bucket, pair, segment)
+        got = pair_noise(c, bucket, pair, segment)
         laid_out = jax.tree.map(lambda x, s=segment: x[s * c.distinct_pairs + pair], batched)
         for x, y, z in zip(*map(jax.tree.leaves, (want, got, laid_out)), strict=True):
             np.testing.assert_array_equal(x, y)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import round_half_away
 
 import run
 
@@ -24,9 +25,8 @@ def tiny(**overrides):
 
 
 def rounded(x: int, k: int) -> int:
-    """x / 2**k rounded half away from zero, in Python integers."""
-    q = (abs(x) + ((1 << k) >> 1)) >> k
-    return q if x >= 0 else -q
+    """x / 2**k rounded half away from zero, as a Python integer."""
+    return int(round_half_away(x, k))
 
 
 def operand_shift(c) -> int:
@@ -215,8 +215,7 @@ def null_z(cfg, rng, pairs, entries, fitness=None):
         a, b = draw(tables.gauss, (pairs, side, cfg.rank)), draw(tables.gauss_rank, (pairs, side, cfg.rank))
         z_matrix = np.asarray(run.z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
         product = shaped[:, None, None].astype(np.int64) * plain(a).astype(np.int64)
-        shift = operand_shift(cfg)
-        operand = np.sign(product) * ((np.abs(product) + ((1 << shift) >> 1)) >> shift)  # half away from 0
+        operand = round_half_away(product, operand_shift(cfg))
         want = sum(operand[:, :, r].T.astype(np.float64) @ plain(b[:, :, r]) for r in range(cfg.rank))
     else:  # --rank 0: a matrix entry has one full-rank noise value, as a vector entry does
         full = draw(tables.gauss, (pairs, side, side))
