@@ -1,8 +1,10 @@
 """The tests target the CPU (one device, several of them as several virtual CPU devices) and write only under
-one scratch folder, removed at the end: the compilation cache they share (so that the many runs of
-the same tiny configurations compile once) and the corpus cache (so that the standard library is
-concatenated once). A session fixture checks that the repository is left as it was found. Under
-pytest-xdist (-n 2) each worker has its own scratch folder and makes these checks itself."""
+scratch folders, removed at the end: the compilation cache they share (so that the many runs of the
+same tiny configurations compile once, whichever test and process compiles first) and the corpus
+cache (so that the standard library is concatenated once). A session fixture checks that the
+repository is left as it was found. Under pytest-xdist (-n 2) the workers inherit the compilation
+cache of the process that started them, which removes it at the end; each worker has its own
+scratch folder for the rest and makes these checks itself."""
 
 import os
 import shutil
@@ -24,7 +26,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # third less time on the compile-bound tests; integer results do not depend on them)
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))  # a worker: its parent's
+# every program, however fast it compiles (run.py's own threshold, 0.5 s, applies in its main)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ["EGG_TEST_CORPORA"] = str(SCRATCH / "corpora")  # the tests' --dir_path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,15 +23,22 @@ COMMON = ["--data", "stdlib", "--dir_path", CACHE] + (
 SHARED_NOISE = ["--num_perturbations", "8"]
 
 
+def devices_env(devices) -> dict:
+    """This environment with `devices` virtual CPU devices, or (None) no device count set from
+    outside, and LLVM's optimisations off as in conftest.py (these programs run a few generations:
+    they spend most of their time compiling)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    count = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
+    env["XLA_FLAGS"] = count + "--xla_backend_optimization_level=0"
+    return env
+
+
 def launch(devices, flags, runs):
     """run.py on `devices` virtual CPU devices, or (None) as users start it, with no device count
     set from outside: it then splits the CPU itself (--cpu_devices)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.Popen(
         [sys.executable, str(ROOT / "run.py"), *COMMON, "--runs_dir", str(runs), *flags],
-        env=env,
+        env=devices_env(devices),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -191,7 +198,7 @@ print("params", run.num_parameters(cfg))
 
 
 def test_only_fitness_crosses_devices_and_the_sharded_programs_have_no_float():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = devices_env(4)
     procs = {
         fast: subprocess.Popen(
             [sys.executable, "-c", SHARDED.format(fast=fast)],
