@@ -23,9 +23,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
     ).strip()
 # the tests' tiny programs spend more time compiling than running: LLVM's optimisations off (a
-# third less time on the compile-bound tests; integer results do not depend on them)
+# third less time on the compile-bound tests) and XLA:CPU's older fusion code generator (a 16D-1L
+# step compiles in 3.5-4 s, not 5-6); integer results do not depend on either (the pinned hashes)
+os.environ["EGG_TEST_FAST_COMPILE"] = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] += " " + os.environ["EGG_TEST_FAST_COMPILE"]
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))  # a worker: its parent's
 # every program, however fast it compiles (run.py's own threshold, 0.5 s, applies in its main)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

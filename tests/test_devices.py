@@ -25,11 +25,11 @@ SHARED_NOISE = ["--num_perturbations", "8"]
 
 def devices_env(devices) -> dict:
     """This environment with `devices` virtual CPU devices, or (None) no device count set from
-    outside, and LLVM's optimisations off as in conftest.py (these programs run a few generations:
-    they spend most of their time compiling)."""
+    outside, compiled as conftest.py compiles (these programs run a few generations: they spend
+    most of their time compiling)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     count = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
-    env["XLA_FLAGS"] = count + "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = count + os.environ["EGG_TEST_FAST_COMPILE"]
     return env
 
 
