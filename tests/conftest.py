@@ -24,7 +24,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 # the tests' tiny programs spend more time compiling than running: LLVM's optimisations off (a
 # third less time on the compile-bound tests) and XLA:CPU's older fusion code generator (a 16D-1L
-# step compiles in 3.5-4 s, not 5-6); integer results do not depend on either (the pinned hashes)
+# step compiles in 3.5-4.4 s, not 5.1-6.0); integer results do not depend on either (the pinned hashes)
 os.environ["EGG_TEST_FAST_COMPILE"] = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + os.environ["EGG_TEST_FAST_COMPILE"]
