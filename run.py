@@ -82,8 +82,9 @@ class Args:
     """<= 1: fixed share of parameters allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
     alpha_decay_timestep: int = 1000
     """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps decaying"""
-    sigma_shift: int = 4
-    """perturbation scale sigma = 2**-sigma_shift, in [0, 6] (from 7 every bias and gain perturbation is 0)"""
+    sigma_shift: int = 3
+    """perturbation scale sigma = 2**-sigma_shift, in [0, 6] (from 7 every bias and gain perturbation is 0;
+    upstream's is 4)"""
     rank: int = 1
     """rank r of each matrix perturbation A B^T / sqrt(r) (0: full-rank noise, naive ES, for comparison)"""
     use_clt: bool = True
@@ -2922,6 +2923,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 
 # --algorithm upstream: upstream's values of every flag whose default here differs from upstream's
 UPSTREAM_ALGORITHM = dict(
+    sigma_shift=4,
     segments=1,
     optimizer="ztest",
     fast_fitness=True,

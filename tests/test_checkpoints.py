@@ -171,7 +171,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     other = tmp_path.with_name(f"{tmp_path.name}-other.txt")  # beside the runs folder
     other.write_bytes(b"other training bytes, not the standard library " * 2000)
     for flags, listed in (
-        (["--alpha", "0.3", "--sigma_shift", "3"], "--alpha 0.2 -> 0.3, --sigma_shift 4 -> 3"),
+        (["--alpha", "0.3", "--sigma_shift", "2"], "--alpha 0.2 -> 0.3, --sigma_shift 3 -> 2"),
         (["--seed", "1", "--no-use_clt"], "--seed 0 -> 1, --use_clt True -> False"),
         (
             ["--tokens_per_update", "9", "--group_size", "8"],

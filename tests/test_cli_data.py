@@ -68,7 +68,11 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     assert dataclasses.replace(upstream, algorithm="egg", **{k: getattr(ours, k) for k in changed}) == ours
     for given in (["--mlp_relu"], ["--mlp-relu=True"], ["--mlp_relu", "true"]):
         assert run.parse_args(["--algorithm", "upstream", *given]).mlp_relu is True, given
-    assert run.default_run_name(upstream) == run.default_run_name(ours) + "-upstream"  # runs apart
+    # runs apart: the name records upstream's sigma_shift and the preset
+    assert (
+        run.default_run_name(upstream)
+        == run.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
+    )
     both = run.parse_args(["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"])
     assert (both.fast_fitness, both.optimizer, both.mlp_relu) == (False, "momentum", False)
 
