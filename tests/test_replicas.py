@@ -54,7 +54,7 @@ def final(runs: Path, generation: int) -> Path:
 # validation bits/byte, recorded with the commit before --replicas existed (7db3dcc); the first
 # re-recorded when Z's low-rank operand became int8 (weighted_shift rounds normalised scores' terms)
 BEFORE_REPLICAS = {
-    # the defaults of then (sigma_shift 4 was the default until issue 13's fifth session)
+    # the defaults of then (sigma_shift 4 was the default before commit 85b7e5e)
     ("--segments", "1", "--sigma_shift", "4"): ("585fb853352c648f", 8.686004638671875),
     ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
 }
