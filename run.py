@@ -140,6 +140,9 @@ class Args:
     """width of the residual stream (a multiple of 4)"""
     mlp_relu: bool = False
     """a ReLU between the MLP's two matrices (upstream has none)"""
+    init_std: int = 4
+    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16), in [0, 32]:
+    16 is upstream's N(0, 1); 0 starts every matrix at zero"""
 
     # validation
     validate_every: int = 0
@@ -275,6 +278,7 @@ class Config(NamedTuple):
     adapt_threshold: bool
     adapt_noise: bool
     mlp_relu: bool
+    init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
     replicas: int  # > 1: seed and sigma_shift are replica 0's here, each replica's traced in the step
 
 
@@ -338,6 +342,7 @@ def make_config(args: Args, devices: int | None = None) -> Config:
         adapt_threshold=args.adapt_threshold,
         adapt_noise=args.adapt_noise,
         mlp_relu=args.mlp_relu,
+        init_std=args.init_std,
         replicas=args.replicas,
     )
     while (
@@ -445,8 +450,10 @@ def full_shape(name: str, cfg: Config) -> tuple[int, ...]:
 
 
 def init_params(cfg: Config):
-    """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, 1) at
-    WEIGHT_FRAC, drawn from the same quantile table as the noise (no floating point)."""
+    """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, s^2) at
+    WEIGHT_FRAC, s = init_std, drawn from the same quantile table as the noise (std 2**NOISE_FRAC,
+    |entries| <= 46) and scaled by s / 2**NOISE_FRAC, rounded half away from zero: |q| <= 46 x 32 / 16
+    = 92 at s <= 32 (no floating point)."""
     tables = make_tables(cfg.rank)
     key = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 0)  # 1: noise
     params = {}
@@ -454,7 +461,8 @@ def init_params(cfg: Config):
         shape = full_shape(name, cfg)
         if name in MATRICES:
             bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
-            params[name] = jnp.asarray(tables.gauss)[bits]
+            gauss = jnp.asarray(tables.gauss)[bits].astype(i32)
+            params[name] = round_shift(gauss * cfg.init_std, NOISE_FRAC).astype(jnp.int8)
         elif name.startswith("ln"):
             params[name] = jnp.full(shape, 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
         else:
@@ -1636,6 +1644,7 @@ def describe_baselines(values: dict[str, float]) -> str:
 CHECKPOINT_FORMAT = 3  # 2 adds meta["training"], 3 optimizer.npz and --optimizer's flags; all load
 # Flags that change what a generation computes. --num_epochs is not one: the alpha schedule, the
 # noise and the data position depend on the generation counter only, so a run may be extended.
+# Nor is --init_std: it decides the parameters a fresh run starts from, never a resumed one's.
 TRAINING_FLAGS = (
     "seed",
     "alpha",
@@ -1987,6 +1996,8 @@ def check_args(args: Args) -> None:
             )
     if not 0 <= args.rank <= 64:
         raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
+    if not 0 <= args.init_std <= 32:
+        raise UserError(f"--init_std must be in [0, 32] (16: upstream's N(0, 1)), got {args.init_std}")
     if not 0 < args.valid_fraction < 0.5:
         raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
     if not 0 <= args.min_p <= 1:
@@ -2929,6 +2940,7 @@ UPSTREAM_ALGORITHM = dict(
     fast_fitness=True,
     null_from_scores=False,
     shared_pair_state=False,
+    init_std=16,
 )
 
 

@@ -221,6 +221,8 @@ BAD_INPUT = [
     (["--sigma_shift", "7"], "every bias and gain perturbation rounds to 0"),
     (["--sigma_shift", "16"], "--sigma_shift must be in [0, 6]"),
     (["--rank", "65"], "--rank must be in [0, 64]"),
+    (["--init_std", "33"], "--init_std must be in [0, 32]"),
+    (["--init_std", "-1"], "--init_std must be in [0, 32]"),
     (["--momentum_shift", "0"], "--momentum_shift must be in [1, 7]"),
     (["--momentum_shift", "8"], "--momentum_shift must be in [1, 7]"),
     (["--scale_shift", "0"], "--scale_shift must be in [1, 7]"),

@@ -121,6 +121,26 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
     assert np.mean(exact_share) > 0.97
 
 
+def test_init_std_scales_upstreams_normal_entries_exactly():
+    """--init_std s: each matrix entry is upstream's (s = 16: the quantile table's entry itself)
+    times s / 16, rounded half away from zero, in exact integers; vectors are as upstream's."""
+    upstream = jax.tree.map(np.asarray, run.init_params(cfg(init_std=16)))
+    table = set(run.make_tables(1).gauss.tolist())
+    for s in (0, 1, 3, 4, 32):
+        params = jax.tree.map(np.asarray, run.init_params(cfg(init_std=s)))
+        for name, q in upstream.items():
+            assert params[name].dtype == np.int8, name
+            if name not in run.MATRICES:
+                np.testing.assert_array_equal(params[name], q)
+                continue
+            assert set(np.unique(q).tolist()) <= table, name
+            wide = q.astype(np.int64)
+            want = np.sign(wide) * ((np.abs(wide) * s + 8) // 16)
+            np.testing.assert_array_equal(params[name], want, err_msg=f"{name}, init_std {s}")
+    entries = np.concatenate([params[k].ravel() for k in run.MATRICES]).astype(np.float64)
+    assert abs(entries.std() - 32) < 2  # s = 32: twice upstream's scale, unclipped (|q| <= 92)
+
+
 @pytest.mark.parametrize("rank", [1, 3])
 def test_embedding_perturbation_equals_explicit_row(rank):
     c = cfg(n_embd=16, rank=rank, sigma_shift=1)

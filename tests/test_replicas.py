@@ -54,8 +54,9 @@ def final(runs: Path, generation: int) -> Path:
 # validation bits/byte, recorded with the commit before --replicas existed (7db3dcc); the first
 # re-recorded when Z's low-rank operand became int8 (weighted_shift rounds normalised scores' terms)
 BEFORE_REPLICAS = {
-    # the defaults of then (sigma_shift 4 was the default before commit 85b7e5e)
-    ("--segments", "1", "--sigma_shift", "4"): ("585fb853352c648f", 8.686004638671875),
+    # the defaults of then (sigma_shift 4 was the default before commit 85b7e5e, init_std 16 before
+    # --init_std existed)
+    ("--segments", "1", "--sigma_shift", "4", "--init_std", "16"): ("585fb853352c648f", 8.686004638671875),
     ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
 }
 
