@@ -82,6 +82,9 @@ class Args:
     """<= 1: fixed share of parameters allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
     alpha_decay_timestep: int = 1000
     """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps decaying"""
+    alpha_floor: float = 0.015625
+    """the --alpha > 1 schedule's share never falls below this, in [0, 1) (0: upstream's, no floor);
+    the default 1/64 leaves upstream's schedule as it is to generation 4,200 (alpha 4, T = 1000)"""
     sigma_shift: int = 3
     """perturbation scale sigma = 2**-sigma_shift, in [0, 6] (from 7 every bias and gain perturbation is 0;
     upstream's is 4)"""
@@ -840,12 +843,14 @@ def null_std(cfg: Config) -> tuple[float, float]:
 def alpha_schedule(args: Args) -> np.ndarray:
     """Share of parameters allowed to move at each generation (the Z-test's two-sided level):
     --alpha itself if <= 1, else upstream's 1 / ((2**alpha - 1) t / T + 1) for t = 0, 1, ...,
-    T = --alpha_decay_timestep: 1 at t = 0, 2**-alpha at t = T, decaying on with no floor. It
-    depends on t only, not on --num_epochs, so a run extended on resume continues it exactly."""
+    T = --alpha_decay_timestep: 1 at t = 0, 2**-alpha at t = T, decaying on, but never below
+    --alpha_floor (upstream's has no floor). It depends on t only, not on --num_epochs, so a run
+    extended on resume continues it exactly."""
     steps = np.arange(args.num_epochs, dtype=np.float64)
     if args.alpha <= 1:
         return np.full(args.num_epochs, args.alpha)
-    return 1.0 / ((2.0**args.alpha - 1.0) * steps / args.alpha_decay_timestep + 1.0)
+    decay = 1.0 / ((2.0**args.alpha - 1.0) * steps / args.alpha_decay_timestep + 1.0)
+    return np.maximum(decay, args.alpha_floor)
 
 
 def isqrt(x):
@@ -1649,6 +1654,7 @@ TRAINING_FLAGS = (
     "seed",
     "alpha",
     "alpha_decay_timestep",
+    "alpha_floor",
     "sigma_shift",
     "rank",
     "use_clt",
@@ -1675,8 +1681,10 @@ TRAINING_FLAGS = (
     "pbt_every",
 )
 # What a checkpoint that does not record a flag was trained with: format 2 and older record none
-# of these, format 3 before --adapt_threshold, --adapt_noise, --replicas and --segments existed not those
+# of these, format 3 before --adapt_threshold, --adapt_noise, --replicas, --segments and --alpha_floor
+# existed not those
 MISSING_FLAGS = dict(
+    alpha_floor=0.0,
     optimizer="ztest",
     momentum_shift=2,
     scale_shift=4,
@@ -1967,6 +1975,10 @@ def check_args(args: Args) -> None:
                 f"--replica_{name} has {len(given)} value(s): give one per replica "
                 f"(--replicas {args.replicas})"
             )
+    if not 0 <= args.alpha_floor < 1:
+        raise UserError(
+            f"--alpha_floor must be in [0, 1) (a share of the parameters), got {args.alpha_floor}"
+        )
     if args.pbt_every and args.replicas < 4:
         raise UserError(
             f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {args.replicas}"
@@ -2934,6 +2946,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 
 # --algorithm upstream: upstream's values of every flag whose default here differs from upstream's
 UPSTREAM_ALGORITHM = dict(
+    alpha_floor=0.0,
     sigma_shift=4,
     segments=1,
     optimizer="ztest",

@@ -216,6 +216,8 @@ BAD_INPUT = [
     (["--n_embd", "6"], "--n_embd must be a multiple of 4"),
     (["--alpha", "0"], "--alpha must be > 0"),
     (["--alpha", "-1"], "--alpha must be > 0"),
+    (["--alpha_floor", "1"], "--alpha_floor must be in [0, 1)"),
+    (["--alpha_floor", "-0.01"], "--alpha_floor must be in [0, 1)"),
     (["--alpha", "1e-70"], "--alpha 1e-70 at population 64: the Z-test threshold"),
     (["--sigma_shift", "-1"], "--sigma_shift must be in [0, 6]"),
     (["--sigma_shift", "7"], "every bias and gain perturbation rounds to 0"),

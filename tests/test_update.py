@@ -139,15 +139,33 @@ def test_alpha_schedule_is_upstreams():
     fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
     assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
-    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=2001, alpha_decay_timestep=1000))
-    want = [1 / (15 * t / 1000 + 1) for t in range(2001)]  # 1 / ((2**alpha - 1) t / T + 1)
+    assert run.UPSTREAM_ALGORITHM["alpha_floor"] == 0
+    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0))
+    want = [1 / (15 * t / 1000 + 1) for t in range(4001)]  # 1 / ((2**alpha - 1) t / T + 1)
     np.testing.assert_allclose(decay, want, rtol=1e-15)
-    assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[2000] == 1 / 31  # no floor after T
+    assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[4000] == 1 / 61  # no floor after T
     # the schedule depends on the generation only: extending --num_epochs continues it exactly
     longer = run.alpha_schedule(run.Args(alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
     np.testing.assert_array_equal(
         run.alpha_schedule(run.Args(alpha=3.0, num_epochs=20, alpha_decay_timestep=7)), longer[:20]
     )
+
+
+def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
+    floor = run.Args().alpha_floor
+    assert floor == 1 / 64  # the default, chosen in README.org's "At equal wall time"
+    args = run.Args(alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
+    bare = run.alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
+    floored = run.alpha_schedule(args)
+    crossing = 4201  # 1 / (15 t / 1000 + 1) < 1/64 from t > 63000 / 15 = 4200 on
+    np.testing.assert_array_equal(floored[:crossing], bare[:crossing])
+    assert bare[crossing - 1] == floor > bare[crossing]
+    assert (floored[crossing:] == floor).all()
+    thresholds = run.z_thresholds(args, run.make_config(args))  # the floor reaches the Z-test too
+    assert (thresholds[crossing:] == thresholds[crossing]).all()
+    assert (thresholds[:crossing] <= thresholds[crossing]).all()
+    fixed = dataclasses.replace(args, alpha=0.01)  # a fixed share is the share, floor or not
+    np.testing.assert_array_equal(run.alpha_schedule(fixed), 0.01)
 
 
 def test_a_level_too_small_for_float64_moves_nothing():
