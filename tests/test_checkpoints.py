@@ -212,6 +212,9 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     # momentum: the default; a checkpoint of then had one segment
     as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu", "--segments", "1"]
     one_line_error(in_process(capsys, *base, *as_before), "--optimizer ztest -> momentum; ")
+    # ... and with no floor under alpha: the floor it did not record reads as 0
+    result = in_process(capsys, *base, *as_before, "--optimizer", "ztest")
+    one_line_error(result, "trained with other settings: --alpha_floor 0.0 -> 0.015625; ")
     meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
