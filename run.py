@@ -2,14 +2,19 @@
 
     python run.py --data stdlib --n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256
     python run.py --data my_corpus.txt --validate_every 50
+    python run.py --algorithm upstream ...     # upstream nano-egg's algorithm, the control
     python run.py --help
 
 Weights, activations and hidden states are int8; matmuls accumulate in int32; every rescale is a
 shift, a clip to [-127, 127], a constant fixed-point multiplier or a small table. Training uses no
 gradients and no floating point: each generation evaluates a population of low-rank antithetic
 perturbations (noise from a counter-based RNG, never stored), and moves each parameter by +-1 where
-a Z-test on the fitness-weighted noise passes. The file reads top to bottom: Args, constants,
-integer math, model, noise, ES step, data, loop, main.
+a test on the fitness-weighted noise passes. One compiled step trains K >= 1 models side by side
+(--replicas): every array of a run has a leading replica axis, and a single run is K = 1.
+
+The file reads top to bottom, one ruler per section: Args, constants, integer math, model, noise,
+ES step, devices, integer ranges, flags, data, baselines, checkpoints, replicas and PBT,
+sampling, diagnostics, loop, benchmark, main. Importing it does nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -26,19 +32,80 @@ import statistics
 import sys
 import sysconfig
 import time
+import typing
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
 
+# ------------------------------------------------------------------------------------------------
+# Args. Each flag's facts (its allowed range, whether it changes training, upstream nano-egg's
+# value, what checkpoints that predate it were trained with) are written once, beside the flag;
+# the checks, the resume comparison, the --algorithm upstream preset and --help derive from them.
+
+
+class Facts(NamedTuple):
+    """What run.py knows of a flag besides its type, default and help."""
+
+    low: float = -math.inf  # the range of values allowed, low and high...
+    high: float = math.inf
+    open: tuple[bool, bool] = (False, False)  # ...and whether each end itself is excluded
+    why: str = ""  # what the range protects, said when a value outside it is refused
+    training: bool = False  # changes what a generation computes: compared when a run resumes
+    upstream: Any = None  # upstream nano-egg's value, where it differs from ours (--algorithm upstream)
+    before: Any = None  # the value of a checkpoint that predates the flag (None: every checkpoint has it)
+    acts_if: tuple[str, tuple] | None = None  # (flag, values): it acts only where that flag holds one
+
+    def ranged(self) -> bool:
+        return (self.low, self.high) != (-math.inf, math.inf)
+
+    def allowed(self) -> str:
+        """The range in words: 'positive', '>= 0', '> 0', 'in [0, 6]', 'in (0, 0.5)', ..."""
+        if self.high < math.inf:
+            return f"in {'(['[not self.open[0]]}{self.low:g}, {self.high:g}{')]'[not self.open[1]]}"
+        if (self.low, self.open[0]) == (1, False):
+            return "positive"
+        return f"{'>' if self.open[0] else '>='} {self.low:g}"
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.open[0] else value >= self.low
+        return above and (value < self.high if self.open[1] else value <= self.high)
+
+
+def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
+    """A flag's Annotated metadata (`Annotated[int, *flag("[0, 6]", training=True)]`): its Facts,
+    the range written as an interval, and --help's hint with the range and upstream's value."""
+    if interval:
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        facts.update(low=low, high=high, open=(interval[0] == "(", interval[-1] == ")"))
+    known = Facts(**facts)
+    hint = "".join(
+        [
+            f"; {known.allowed()}" if known.ranged() else "",
+            "" if known.upstream is None else f"; upstream: {known.upstream}",
+        ]
+    )
+    return known, tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}{hint})")
+
+
 VALID_HINT = "(default: minipile's validation split, else the last --valid_fraction of --data)"
+ROUNDS_TO_ZERO = (
+    "from 7 on every bias and gain perturbation rounds to 0 (the noise table's largest |entry| is 46)"
+)
+INT16 = "its running sum is int16"
+Rule = Literal["ztest", "momentum", "adam"]
+WITH_M, WITH_V, ZTEST_ONLY = (
+    ("optimizer", ("momentum", "adam")),
+    ("optimizer", ("adam",)),
+    ("optimizer", ("ztest",)),
+)
 
 
 @dataclass(frozen=True)
@@ -46,29 +113,31 @@ class Args:
     # experiment
     benchmark: bool = False
     """time training, fitness, inference and full-rank ES generations on random bytes, print a table"""
-    seed: int = 0
-    """seed of the initial parameters and of every perturbation"""
-    num_epochs: int = 1000
+    seed: Annotated[int, *flag("[0, inf)", training=True)] = 0
+    """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
+    num_epochs: Annotated[int, *flag("[1, inf)")] = 1000
     """number of generations to train (one ES update each; the upstream name)"""
+    platform: Literal["", "cpu", "cuda", "rocm", "tpu"] = ""
+    """JAX platform to run on (default: JAX's choice: its accelerator, else the CPU)"""
 
     # data
     data: str = "minipile"
     """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
     valid_data: Annotated[str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)] = None
     """a separate validation file or folder"""
-    valid_fraction: float = 0.01
+    valid_fraction: Annotated[float, *flag("(0, 0.5)")] = 0.01
     """share of --data held out for validation when --valid_data is not given"""
     dir_path: str = str(Path(__file__).resolve().parent / "cached_files")
     """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
 
     # population
-    parallel_generations_per_gpu: int = 1024
-    """population size: members evaluated per generation (even)"""
-    group_size: int = 2
+    parallel_generations_per_gpu: Annotated[int, *flag("[1, inf)")] = 1024
+    """population size: members evaluated per generation and device (even)"""
+    group_size: Annotated[int, *flag("[1, inf)", training=True)] = 2
     """members that share one data sequence (even, divides the population)"""
-    tokens_per_update: int = 100
+    tokens_per_update: Annotated[int, *flag("[1, inf)", training=True)] = 100
     """bytes each member predicts per generation"""
-    segments: int = 0
+    segments: Annotated[int, *flag("[0, inf)", training=True, upstream=1, before=1)] = 0
     """perturbations each member evaluates in turn per generation, each on the next tokens_per_update /
     segments bytes (one more for the last tokens_per_update % segments; at most one segment per
     byte): one update weighs segments times the antithetic pairs for the same forward compute (the
@@ -76,83 +145,78 @@ class Args:
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
-    """'upstream': upstream nano-egg's algorithm and model, every flag of UPSTREAM_ALGORITHM that is
-    not on the command line set to upstream's value (the control of every comparison)"""
-    alpha: float = 4.0
+    """'upstream': upstream nano-egg's algorithm and model, every flag whose help shows an 'upstream:'
+    value set to it unless given on the command line (the control of every comparison)"""
+    alpha: Annotated[
+        float, *flag("(0, inf)", training=True, why="a share <= 1 or a schedule's exponent > 1")
+    ] = 4.0
     """<= 1: fixed share of parameters allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
-    alpha_decay_timestep: int = 1000
+    alpha_decay_timestep: Annotated[int, *flag("[1, inf)", training=True)] = 1000
     """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps decaying"""
-    alpha_floor: float = 0.015625
-    """the --alpha > 1 schedule's share never falls below this, in [0, 1) (0: upstream's, no floor);
-    the default 1/64 leaves upstream's schedule as it is to generation 4,200 (alpha 4, T = 1000)"""
-    sigma_shift: int = 3
-    """perturbation scale sigma = 2**-sigma_shift, in [0, 6] (from 7 every bias and gain perturbation is 0;
-    upstream's is 4)"""
-    rank: int = 1
+    alpha_floor: Annotated[float, *flag("[0, 1)", training=True, upstream=0.0, before=0.0, why="a share")] = (
+        1 / 64
+    )
+    """the --alpha > 1 schedule's share never falls below this (0: no floor); the default 1/64 leaves
+    upstream's schedule as it is to generation 4,200 (alpha 4, T = 1000)"""
+    sigma_shift: Annotated[int, *flag("[0, 6]", training=True, upstream=4, why=ROUNDS_TO_ZERO)] = 3
+    """perturbation scale sigma = 2**-sigma_shift"""
+    rank: Annotated[int, *flag("[0, 64]", training=True, why="0: full-rank noise")] = 1
     """rank r of each matrix perturbation A B^T / sqrt(r) (0: full-rank noise, naive ES, for comparison)"""
-    use_clt: bool = True
+    use_clt: Annotated[bool, *flag(training=True)] = True
     """weight the update by the noise values (else by their signs)"""
-    fast_fitness: bool = False
+    fast_fitness: Annotated[bool, *flag(training=True, upstream=True)] = False
     """fitness of a pair = sign of its difference (else the difference normalised by mean |difference|)"""
-    noise_reuse: int = 1
+    noise_reuse: Annotated[int, *flag("[0, inf)", training=True)] = 1
     """generations that share one set of perturbations (0: one set for the whole run)"""
-    num_perturbations: int = 0
+    num_perturbations: Annotated[int, *flag("[0, inf)", training=True)] = 0
     """number of distinct perturbations (even, divides the population; 0: one per member)"""
-    optimizer: Literal["ztest", "momentum", "adam"] = "momentum"
+    optimizer: Annotated[Rule, *flag(training=True, upstream="ztest", before="ztest")] = "momentum"
     """update rule: 'ztest' (upstream's: move where this generation's Z passes the test), 'momentum'
     (where a decaying sum of standardised Z does), 'adam' (that sum over a running mean of |Z|)"""
-    momentum_shift: int = 2
-    """momentum, adam: the running sum keeps 1 - 2**-shift of itself per generation, in [1, 7]"""
-    scale_shift: int = 4
-    """adam: the running mean of |Z| keeps 1 - 2**-shift of itself per generation, in [1, 7]"""
-    shared_pair_state: bool = True
+    momentum_shift: Annotated[int, *flag("[1, 7]", training=True, before=2, acts_if=WITH_M, why=INT16)] = 2
+    """momentum, adam: the running sum keeps 1 - 2**-shift of itself per generation"""
+    scale_shift: Annotated[int, *flag("[1, 7]", training=True, before=4, acts_if=WITH_V, why=INT16)] = 4
+    """adam: the running mean of |Z| keeps 1 - 2**-shift of itself per generation"""
+    shared_pair_state: Annotated[bool, *flag(training=True, upstream=False, before=False)] = True
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
-    null_from_scores: bool = True
+    null_from_scores: Annotated[bool, *flag(training=True, before=False, acts_if=ZTEST_ONLY)] = False
     """ztest: scale the Z-test's null std by sqrt(sum of this generation's squared scores / its
     expected value), so that ties and non-normal differences keep the moved share at alpha"""
-    adapt_threshold: bool = False
-    """scale each tensor's threshold, each layer's apart, by sqrt(its spread ratio: this generation's
-    mean squared standardised Z over the null's), so every group moves about the same share whatever its
-    signal; contains and replaces --null_from_scores's correction"""
-    adapt_noise: bool = False
-    """scale each tensor's noise, each layer's apart, by its own multiplier in [1/2, 2] (kept in the
-    update rule's state): one step of 1/16 down per generation where its spread ratio is above the
-    median group's, one up where not, steering every group's signal towards the same level"""
 
     # replicas and population-based training
-    replicas: int = 1
+    replicas: Annotated[int, *flag("[1, inf)", training=True, before=1)] = 1
     """models trained side by side in one compiled step (a replica axis), each with its own parameters,
     states, update rule state, seed (--seed + its index) and the settings below (given as lists, not
     drawn); all see the same data"""
-    replica_alpha: tuple[float, ...] = ()
+    replica_alpha: Annotated[tuple[float, ...], *flag(training=True, before=())] = ()
     """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
-    replica_alpha_decay_timestep: tuple[int, ...] = ()
+    replica_alpha_decay_timestep: Annotated[tuple[int, ...], *flag(training=True, before=())] = ()
     """--alpha_decay_timestep of each replica, a list of --replicas values (empty: the flag's)"""
-    replica_sigma_shift: tuple[int, ...] = ()
+    replica_sigma_shift: Annotated[tuple[int, ...], *flag(training=True, before=())] = ()
     """--sigma_shift of each replica, a list of --replicas values (empty: the flag's)"""
-    pbt_every: int = 0
+    pbt_every: Annotated[int, *flag("[0, inf)", training=True, before=0)] = 0
     """generations between population-based training steps (0: none; needs --replicas >= 4): the
     replicas ranked by validation bits/byte, the worst quarter copies the best quarter's model and
     moves the copied settings (explore: alpha and its decay by a factor, sigma_shift half the time
     by one)"""
 
     # model
-    n_layer: int = 6
+    n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
     """number of minGRU blocks"""
-    n_embd: int = 256
+    n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
     """width of the residual stream (a multiple of 4)"""
-    mlp_relu: bool = False
+    mlp_relu: Annotated[bool, *flag(training=True, before=True)] = False
     """a ReLU between the MLP's two matrices (upstream has none)"""
-    init_std: int = 4
-    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16), in [0, 32]:
-    16 is upstream's N(0, 1); 0 starts every matrix at zero"""
+    init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
+    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16): 16 is
+    upstream's N(0, 1); 0 starts every matrix at zero"""
 
     # validation
-    validate_every: int = 0
+    validate_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between noise-free validations (0: only at the end)"""
-    validation_batch_size: int = 1024
+    validation_batch_size: Annotated[int, *flag("[1, inf)")] = 1024
     """rows the validation data is cut into (evaluated in parallel)"""
-    validation_tokens: int = 0
+    validation_tokens: Annotated[int, *flag("[0, inf)")] = 0
     """bytes per validation row (0: the whole held-out part)"""
 
     # tracking
@@ -174,20 +238,20 @@ class Args:
     # several hosts (jax.distributed; detected automatically under SLURM)
     coord_addr: str = ""
     """address:port of process 0's coordinator, for a multi-host run started by hand"""
-    num_procs: int = 1
+    num_procs: Annotated[int, *flag("[1, inf)")] = 1
     """number of processes of a multi-host run started by hand"""
-    proc_id: int = 0
-    """index of this process in a multi-host run started by hand"""
-    cpu_devices: int = 0
+    proc_id: Annotated[int, *flag("[0, inf)")] = 0
+    """index of this process in a multi-host run started by hand (below --num_procs)"""
+    cpu_devices: Annotated[int, *flag("[0, inf)", why="0: one per core")] = 0
     """on the CPU: the JAX devices this host is split into, each evaluating its share of the
     population on its own (0: one per core, fewer where the share would not hold whole groups; 1
     with --rank 0 or several processes; 1: one device, whose products XLA spreads over the
-    cores). The CPU still counts as one device of
-    --parallel_generations_per_gpu: the population, and every result, stay the same. Left at 1 when
-    XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count (each device then counts as one)"""
+    cores). The CPU still counts as one device of --parallel_generations_per_gpu: the population,
+    and every result, stay the same. Left at 1 when XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device
+    count (each device then counts as one)"""
 
     # diagnostics
-    log_every: int = 0
+    log_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between integer-health diagnostics, logged as diag/... (0: none)"""
     debug: bool = False
     """print the diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
@@ -197,25 +261,25 @@ class Args:
     """generate text from the checkpoint given by --resume instead of training"""
     prompt: str = "The "
     """text the samples continue"""
-    max_new_bytes: int = 200
+    max_new_bytes: Annotated[int, *flag("[0, inf)")] = 200
     """bytes to generate per sample"""
-    temperature: float = 0.6
+    temperature: Annotated[float, *flag("[0, inf)")] = 0.6
     """sampling temperature (0: greedy)"""
-    min_p: float = 0.08
+    min_p: Annotated[float, *flag("[0, 1]")] = 0.08
     """drop bytes whose probability is below min_p times the most likely byte's"""
     presence_penalty: float = 0.2
     """bits subtracted from the log2-probability of every byte already generated"""
     sample_replica: int = -1
     """--sample from a checkpoint of several replicas: which one (-1: the best by its last validation)"""
-    sample_every: int = 0
+    sample_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between samples printed (and logged) during training (0: none)"""
 
     # checkpoints
     save_dir: str = ""
     """folder of this run's checkpoints (default: <runs_dir>/<run_name>/checkpoints)"""
-    save_every: int = 100
+    save_every: Annotated[int, *flag("[0, inf)")] = 100
     """generations between checkpoints (0: only at the end and when stopped by a signal)"""
-    keep_checkpoints: int = 3
+    keep_checkpoints: Annotated[int, *flag("[1, inf)")] = 3
     """periodic checkpoints to keep (the best by validation is kept besides)"""
     resume: str = ""
     """continue from a checkpoint folder, a save_dir (its latest), or 'auto' (the latest in --save_dir)"""
@@ -223,8 +287,31 @@ class Args:
     """with --resume: continue although flags that change training differ from the checkpoint's (logged)"""
 
 
+@cache
+def flag_facts() -> dict[str, Facts]:
+    """{flag: its Facts} for every field of Args (Facts() where it has none)."""
+    hints = typing.get_type_hints(Args, include_extras=True)
+    found = {
+        name: [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Facts)]
+        for name, hint in hints.items()
+    }
+    return {name: facts[0] if facts else Facts() for name, facts in found.items()}
+
+
+# What each replica sets for itself (--replica_NAME), and population-based training explores
+REPLICA_SETTINGS = ("alpha", "alpha_decay_timestep", "sigma_shift")
+# Flags that egg-jax once had, with the value that meant "off": a checkpoint trained with another
+# value is refused (they did not help: docs/results.md, "Tried, not adopted"; the code is at b7524ed)
+REMOVED_FLAGS = {"adapt_threshold": False, "adapt_noise": False}
+
+
 # ------------------------------------------------------------------------------------------------
 # Constants. Every fixed-point format is named once here; "q" is the stored integer.
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2, no traceback."""
+
 
 VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
@@ -247,26 +334,28 @@ FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |d
 U_STD_BITS = 4  # momentum, adam: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 SCALE_FRAC = 12  # adam's threshold multipliers: real = q / 2**12, q < 2**16
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
-NOISE_SCALE_FRAC = 4  # --adapt_noise: a group's noise multiplier q, real = q / 2**4
-NOISE_SCALE_RANGE = (8, 32)  # q's range: within a factor 2 of --sigma_shift's noise; 2 x 46 < 127
-SPREAD_FRAC = 12  # --adapt_noise: a group's root spread ratio sqrt(r), real = q / 2**12
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 PARAM_NAMES = ("emb", "ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2", "ln_out", "head")
 BLOCK_NAMES = PARAM_NAMES[1:11]  # stacked along a leading n_layer axis, scanned over
+MATRIX, VECTOR = 0, 1  # the two kinds of parameter: index of their null std, shift and threshold
 i32 = jnp.int32
 
 
+def kind_of(name: str) -> int:
+    """MATRIX or VECTOR: which of a (matrix, vector) pair of thresholds or shifts a parameter takes."""
+    return MATRIX if name in MATRICES else VECTOR
+
+
 class Config(NamedTuple):
-    """Static settings of the jitted functions (derived from Args, hashable)."""
+    """Static settings of the jitted functions (derived from Args by make_config, hashable). What
+    differs between replicas (seed, alpha, sigma_shift) is not here: the step takes it as arrays."""
 
     n_layer: int
     n_embd: int
-    population: int
+    population: int  # members of each replica, over all devices
     group_size: int
     tokens: int
     segments: int  # perturbations per member per generation, one after another (segment_lengths)
-    seed: int
-    sigma_shift: int
     rank: int
     use_clt: bool
     fast_fitness: bool
@@ -278,83 +367,9 @@ class Config(NamedTuple):
     scale_shift: int
     shared_pair_state: bool
     null_from_scores: bool
-    adapt_threshold: bool
-    adapt_noise: bool
     mlp_relu: bool
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
-    replicas: int  # > 1: seed and sigma_shift are replica 0's here, each replica's traced in the step
-
-
-# What each replica sets for itself (--replica_NAME), and population-based training explores
-REPLICA_SETTINGS = ("alpha", "alpha_decay_timestep", "sigma_shift")
-# the flags that decide the replicas' settings
-REPLICA_FLAGS = ("seed", *REPLICA_SETTINGS, *(f"replica_{name}" for name in REPLICA_SETTINGS))
-
-
-def replica_settings(args: Args) -> list[dict]:
-    """Each replica's seed (--seed + its index) and settings (its --replica_NAME value, else --NAME)."""
-    lists = {
-        name: getattr(args, f"replica_{name}") or (getattr(args, name),) * args.replicas
-        for name in REPLICA_SETTINGS
-    }
-    return [
-        {"seed": args.seed + k, **{name: lists[name][k] for name in REPLICA_SETTINGS}}
-        for k in range(args.replicas)
-    ]
-
-
-def single_run(args: Args, **changes) -> Args:
-    """These flags without replicas (and PBT), with `changes`."""
-    lists = {f"replica_{name}": () for name in REPLICA_SETTINGS}
-    return dataclasses.replace(args, **{"replicas": 1, "pbt_every": 0, **lists, **changes})
-
-
-def replica_args(args: Args, setting: dict) -> Args:
-    """The flags of a run of this one replica alone."""
-    return single_run(args, **setting)
-
-
-def make_config(args: Args, devices: int | None = None) -> Config:
-    """The static configuration of a run on `devices` JAX devices (default: one GPU's worth). A CPU
-    split into --cpu_devices of them counts as one device of --parallel_generations_per_gpu."""
-    shards = max(args.cpu_devices, 1)
-    devices = shards if devices is None else devices
-    population = args.parallel_generations_per_gpu * devices // shards
-    distinct = args.num_perturbations or population
-    first = replica_settings(args)[0]
-    cfg = Config(
-        n_layer=args.n_layer,
-        n_embd=args.n_embd,
-        population=population,
-        group_size=args.group_size,
-        tokens=args.tokens_per_update,
-        segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
-        seed=first["seed"],
-        sigma_shift=first["sigma_shift"],
-        rank=args.rank,
-        use_clt=args.use_clt,
-        fast_fitness=args.fast_fitness,
-        noise_reuse=args.noise_reuse,
-        distinct_pairs=distinct // 2,
-        devices=devices,
-        optimizer=args.optimizer,
-        momentum_shift=args.momentum_shift,
-        scale_shift=args.scale_shift,
-        shared_pair_state=args.shared_pair_state,
-        null_from_scores=args.null_from_scores,
-        adapt_threshold=args.adapt_threshold,
-        adapt_noise=args.adapt_noise,
-        mlp_relu=args.mlp_relu,
-        init_std=args.init_std,
-        replicas=args.replicas,
-    )
-    while (
-        not args.segments
-        and cfg.segments > 1
-        and max(b for b, _ in accumulator_bounds(cfg).values()) > INT32_MAX
-    ):
-        cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
-    return cfg
+    replicas: int  # K: the leading axis of every parameter, state and per-replica input
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,6 +449,51 @@ def log2_likelihood(logits, target, tables: Tables):
     return ((logits[target] - top) << (LL_FRAC - LOGIT_FRAC)) - log2_s
 
 
+def shifted(x: int, k: int) -> int:
+    """|x| / 2**k rounded half up: the magnitude round_shift gives, for a host integer."""
+    return (abs(x) + ((1 << k) >> 1)) >> k
+
+
+def isqrt(x):
+    """floor(sqrt(x)) of a non-negative int32, bit by bit (the trial squares fit uint32)."""
+    x, root = x.astype(jnp.uint32), jnp.zeros(x.shape, jnp.uint32)
+    for bit in reversed(range(16)):
+        trial = root | jnp.uint32(1 << bit)
+        root = jnp.where(trial * trial <= x, trial, root)
+    return root.astype(i32)
+
+
+def bit_length(x):
+    """Bits of a non-negative int32 (0 for 0)."""
+    return 32 - jax.lax.clz(x)
+
+
+def scale_by_root(threshold, s, s_null: float):
+    """--null_from_scores: threshold x sqrt(s / s_null) for the sum s of this generation's squared
+    weights, floored, within 1 + 2**-12 relative; all int32, from mantissas in [2**14, 2**15): threshold
+    = tm 2**te, sqrt(s) = r 2**-j (r = isqrt(s 4**j) with s 4**j in [2**28, 2**30)) and
+    1 / sqrt(s_null) = im 2**-ie (from the host); ((tm r) >> 15) im < 2**31. The largest int32
+    (nothing moves) stays so, s = 0 (all ties: every Z is 0) gives 0, and s = s_null the threshold
+    itself."""
+    inverse = 1 / math.sqrt(s_null)
+    ie = ROOT_BITS - 1 - int(math.floor(math.log2(inverse)))
+    im = int(round(inverse * 2**ie))  # in [2**14, 2**15]
+    te = bit_length(threshold) - ROOT_BITS
+    tm = jnp.where(te >= 0, threshold >> jnp.maximum(te, 0), threshold << jnp.maximum(-te, 0))
+    j = (jax.lax.clz(jnp.maximum(s, 1)) - 2) >> 1
+    r = isqrt(s << j * 2)
+    product = ((tm * r) >> ROOT_BITS) * im
+    shift = ROOT_BITS + te - j - ie
+    room = jax.lax.clz(jnp.maximum(product, 1)) - 1  # left shifts that keep it an int32
+    scaled = jnp.where(
+        shift >= 0,
+        jnp.where(shift <= room, product << jnp.clip(shift, 0, 31), INT32_MAX),
+        product >> jnp.clip(-shift, 0, 31),
+    )
+    same = s == int(s_null) if float(s_null).is_integer() else False
+    return jnp.where((threshold == INT32_MAX) | same, threshold, jnp.where(s == 0, 0, scaled))
+
+
 # ------------------------------------------------------------------------------------------------
 # Model: EGG, an int8 minGRU language model. A "member" is one population member; `nz` is its
 # noise (None for the noise-free model) and `sign` (+1 or -1) its antithetic side.
@@ -452,13 +512,13 @@ def full_shape(name: str, cfg: Config) -> tuple[int, ...]:
     return (cfg.n_layer,) * (name in BLOCK_NAMES) + param_shape(name, cfg)
 
 
-def init_params(cfg: Config):
-    """Parameters as a dict of int8 arrays. Matrices are (out, in) with entries ~ N(0, s^2) at
-    WEIGHT_FRAC, s = init_std, drawn from the same quantile table as the noise (std 2**NOISE_FRAC,
-    |entries| <= 46) and scaled by s / 2**NOISE_FRAC, rounded half away from zero: |q| <= 46 x 32 / 16
-    = 92 at s <= 32 (no floating point)."""
+def init_params(cfg: Config, seed):
+    """One model's parameters from its seed, a dict of int8 arrays. Matrices are (out, in) with
+    entries ~ N(0, s^2) at WEIGHT_FRAC, s = init_std, drawn from the same quantile table as the
+    noise (std 2**NOISE_FRAC, |entries| <= 46) and scaled by s / 2**NOISE_FRAC, rounded half away
+    from zero: |q| <= 46 x 32 / 16 = 92 at s <= 32 (no floating point)."""
     tables = make_tables(cfg.rank)
-    key = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 0)  # 1: noise
+    key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 0)  # 1: noise
     params = {}
     for i, name in enumerate(PARAM_NAMES):
         shape = full_shape(name, cfg)
@@ -524,7 +584,7 @@ def layer_norm(x, gain, tables: Tables):
     return clip_int8((scaled * jnp.asarray(tables.recip)[mean]) >> RECIP_BITS)  # < 2**30
 
 
-def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False):
+def block(x, h, p, nz, sign, sigma_shift, cfg: Config, tables: Tables, collect: bool = False):
     """One minGRU block. x: residual stream (n,) int8 at WEIGHT_FRAC; h: hidden state (n,) int8
     using the full range (real = q / 127). Returns the new stream and state, and with `collect`
     the block's int8 activations for diagnostics (else an empty dict)."""
@@ -533,10 +593,10 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False)
         return None if nz is None else nz[name]
 
     def vec(name):
-        return vector(p[name], nzs(name), sign, cfg.sigma_shift)
+        return vector(p[name], nzs(name), sign, sigma_shift)
 
     def mm(v, name):
-        return matmul(v, p[name], nzs(name), sign, cfg.sigma_shift)
+        return matmul(v, p[name], nzs(name), sign, sigma_shift)
 
     a = layer_norm(x, vec("ln1"), tables)
     # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
@@ -556,28 +616,29 @@ def block(x, h, p, nz, sign, cfg: Config, tables: Tables, collect: bool = False)
     return x, h, {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
 
 
-def token_logits(params, nz, sign, h, tok, cfg: Config, tables: Tables, collect: bool = False):
-    """One byte through the model: logits (256,) int8 at LOGIT_FRAC, new states (L, n), and with
+def token_logits(params, nz, sign, sigma_shift, h, tok, cfg: Config, tables: Tables, collect: bool = False):
+    """One byte through one member: logits (256,) int8 at LOGIT_FRAC, new states (L, n), and with
     `collect` the int8 activations of every layer (else an empty dict). The states h restart from
-    zero at byte 0, the separator before every document."""
+    zero at byte 0, the separator before every document. sigma_shift: an int, or a traced int32
+    (the same shifts either way)."""
     h = jnp.where(tok == 0, jnp.zeros_like(h), h)
 
     def nzs(name):
         return None if nz is None else nz[name]
 
-    x = embed(params["emb"], tok, nzs("emb"), sign, cfg.sigma_shift)
+    x = embed(params["emb"], tok, nzs("emb"), sign, sigma_shift)
     block_params = {k: params[k] for k in BLOCK_NAMES}
     block_noise = None if nz is None else {k: nz[k] for k in BLOCK_NAMES}
 
     def layer(x, inputs):
         p, n, h_layer = inputs
-        x, h_layer, seen = block(x, h_layer, p, n, sign, cfg, tables, collect)
+        x, h_layer, seen = block(x, h_layer, p, n, sign, sigma_shift, cfg, tables, collect)
         return x, (h_layer, seen)
 
     embedding = x
     x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
-    x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, cfg.sigma_shift), tables)
-    logits = matmul(x, params["head"], nzs("head"), sign, cfg.sigma_shift)
+    x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, sigma_shift), tables)
+    logits = matmul(x, params["head"], nzs("head"), sign, sigma_shift)
     return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
 
 
@@ -605,10 +666,10 @@ def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
     return pieces
 
 
-def pair_words(cfg: Config, bucket, pair):
+def pair_words(cfg: Config, seed, bucket, pair):
     """Segment 0's stream of a pair: threefry's 32-bit words of key (seed, 1, bucket, pair), one
     threefry block per word (4 noise bytes), not per byte."""
-    root = jax.random.fold_in(jax.random.key(cfg.seed, impl="threefry2x32"), 1)  # 0: init
+    root = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 1)  # 0: init
     key = jax.random.fold_in(jax.random.fold_in(root, bucket), pair)
     total = sum(math.prod(shape) for _, shape, _ in noise_pieces(cfg))
     return jax.random.bits(key, (-(-total // 4),), jnp.uint32)
@@ -664,99 +725,93 @@ def scored_pairs(cfg: Config) -> int:
     return cfg.segments * cfg.population // 2
 
 
-def generation_noise(cfg: Config, generation):
-    """Noise of every distinct pair of every segment for this generation: leaves with a leading
-    (noise_pairs,) axis, segment-major: segment s's pair k is
-    words_to_noise(cfg, mix_segment(pair_words(cfg, bucket, k), s)). Threefry runs once per
+def generation_noise(cfg: Config, seed, generation):
+    """One replica's noise of every distinct pair of every segment for this generation: leaves with
+    a leading (noise_pairs,) axis, segment-major: segment s's pair k is
+    words_to_noise(cfg, mix_segment(pair_words(cfg, seed, bucket, k), s)). Threefry runs once per
     distinct pair, the remix once per segment."""
     bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
-    words = jax.vmap(lambda k: pair_words(cfg, bucket, k))(jnp.arange(cfg.distinct_pairs))
+    words = jax.vmap(lambda k: pair_words(cfg, seed, bucket, k))(jnp.arange(cfg.distinct_pairs))
     words = jnp.concatenate([mix_segment(words, s) for s in range(cfg.segments)])
     return jax.vmap(partial(words_to_noise, cfg))(words)
 
 
 # ------------------------------------------------------------------------------------------------
-# ES step. Members are laid out as (repeats, distinct_pairs, 2): member p = 2 * pair + side
-# (+ repeat * 2 * distinct_pairs), side 0 adds the noise and side 1 subtracts it.
+# ES step. Every array of a run carries a leading replica axis K (K = 1 for a single run). Members
+# are laid out as (repeats, distinct_pairs, 2): member p = 2 * pair + side (+ repeat * 2 *
+# distinct_pairs), side 0 adds the noise and side 1 subtracts it.
 
 
-def population_fitness(params, noise, states, inputs, targets, cfg: Config, sigma_shift=None):
-    """Fitness (log2-likelihood sums at LL_FRAC) of M members and their new states.
-    states: (M, L, n) int8; inputs, targets: (M, T) uint8; noise: D pairs, M a multiple of 2 D,
-    or None for the noise-free model (inference and validation, M even).
+def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg: Config):
+    """Fitness (log2-likelihood sums at LL_FRAC) of every replica's M members, and their new states.
 
-    The token scan is outermost and the members are vmapped inside it, laid out (repeats, D, 2)
-    with layer axes first, so the layer scan slices its inputs without copies. What stays fixed
-    over the tokens is built once: each member's perturbed vectors.
+    params: each (K, ...); noise: each (K, D, ...) for D distinct pairs (M a multiple of 2 D), or
+    None for the noise-free model (validation, inference: M even); states (K, M, L, n) int8;
+    inputs, targets (M, T) uint8, the same bytes for every replica; sigma_shifts (K,) int32 (unused
+    without noise). Returns fitness (K, M) int32 and the states (K, M, L, n).
 
-    Replicas: params, noise and states with a leading (K,) axis (states (K, M, L, n)), the same
-    inputs for all, sigma_shift (K,) int32 (None: cfg's, e.g. without noise); fitness (K, M). The
-    replica axis is one more member axis, inside the token and layer scans like the others (a vmap
-    of this function around the scans sliced layers off a second axis at every token: 4 replicas
-    of 256 ran at 79% of one run of 1024 on a 2-core CPU, against 92% this way)."""
+    The token scan is outermost and every member axis, the replicas' included, is vmapped inside
+    it with layer axes first, so the layer scan slices its inputs without copies (a vmap over the
+    replicas outside the scans sliced layers off a second axis at every token: 4 replicas of 256
+    ran at 79% of one run of 1024 on a 2-core CPU, against 92% this way). What stays fixed over
+    the tokens is built once: each member's perturbed vectors."""
     tables = make_tables(cfg.rank)
     params = jax.tree.map(jnp.asarray, params)
-    lead = states.ndim - 3  # 1 with replicas
-    replicas, members = (states.shape[0] if lead else 1), states.shape[lead]
-    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[lead]
-    layout = (members // (2 * distinct), distinct, 2)
+    replicas, members = states.shape[:2]
+    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[1]
+    layout = (members // (2 * distinct), distinct, 2)  # (repeats, D, sides)
     signs = jnp.array([1, -1], i32)
-    if lead:  # each replica's (traced) sigma_shift; a single run's is static in cfg
-        sigmas = jnp.full((replicas,), cfg.sigma_shift, i32) if sigma_shift is None else sigma_shift
+    if sigma_shifts is None:
+        sigma_shifts = jnp.zeros((replicas,), i32)
 
-    def layer_first(x, name):  # ([K,] D, L, ...) -> (L, [K,] D, ...) for block parameters
-        return jnp.moveaxis(x, lead + 1, 0) if name in BLOCK_NAMES else x
+    def sided(p, nz, sigma_shift):  # one replica's vector, both sides: ([L,] n) -> ([L,] D, 2, n)
+        out = jax.vmap(lambda sign: vector(p, nz, sign, sigma_shift))(signs)  # (2, D, [L,] n)
+        return jnp.moveaxis(out, (0, 1), (-2, -3))
 
-    def sided(p, nz, sigma):  # perturbed vectors (2, D, [L,] n) -> ([L,] D, 2, n)
-        out = jax.vmap(lambda sign: vector(p, nz, sign, sigma))(signs)
-        return jnp.moveaxis(out, (0, 1), (2, 1)) if out.ndim == 4 else jnp.swapaxes(out, 0, 1)
-
-    member_params, member_noise, axes, noise_axes, replica_axes, replica_noise_axes = ({} for _ in range(6))
+    # per parameter: the arrays the members read, and their axes for the vmaps below (K, then
+    # within a replica the members' D and sides); block parameters keep their layer axis first
+    member_params, member_noise, axes, noise_axes, replica_axes = {}, {}, {}, {}, {}
     for name in PARAM_NAMES:
-        block = name in BLOCK_NAMES
-        if noise is None or name in MATRICES:  # shared by every member (of a replica)
-            member_params[name] = jnp.moveaxis(params[name], lead, 0) if block else params[name]
-            axes[name], replica_axes[name] = None, 1 if block else 0
-            member_noise[name] = (
-                None if noise is None else jax.tree.map(partial(layer_first, name=name), noise[name])
-            )
-            noise_axes[name] = replica_noise_axes[name] = None if noise is None else 1 if block else 0
-        else:
-            if lead:  # ([L,] K, D, 2, n)
-                out = jax.vmap(sided)(params[name], noise[name], sigmas)
-                member_params[name] = jnp.moveaxis(out, 0, 1) if block else out
-            else:
-                member_params[name] = sided(params[name], noise[name], cfg.sigma_shift)
-            axes[name] = replica_axes[name] = 1 if block else 0
-            member_noise[name], noise_axes[name], replica_noise_axes[name] = None, None, None
+        layer = int(name in BLOCK_NAMES)  # the position of the replica axis once layers come first
+        if noise is None or name in MATRICES:  # shared by every member of a replica
+            member_params[name] = jnp.moveaxis(params[name], 1, 0) if layer else params[name]
+            axes[name], replica_axes[name] = None, layer
+            if noise is None:
+                member_noise[name], noise_axes[name] = None, None
+            else:  # (K, D, [L,] ...) -> ([L,] K, D, ...)
+                member_noise[name] = jax.tree.map(
+                    lambda x, layer=layer: jnp.moveaxis(x, 2, 0) if layer else x, noise[name]
+                )
+                noise_axes[name] = layer
+        else:  # each member's own perturbed vector: ([L,] K, D, 2, n)
+            out = jax.vmap(sided)(params[name], noise[name], sigma_shifts)
+            member_params[name] = jnp.moveaxis(out, 0, 1) if layer else out
+            axes[name] = replica_axes[name] = layer
+            member_noise[name], noise_axes[name] = None, None
 
-    def member(p, nz, sign, h, tok, sigma):
-        c = cfg if sigma is None else cfg._replace(sigma_shift=sigma)
-        logits, h, _ = token_logits(p, nz, sign, h, tok, c, tables)
+    def member(p, nz, sign, h, tok, sigma_shift):
+        logits, h, _ = token_logits(p, nz, sign, sigma_shift, h, tok, cfg, tables)
         return logits, h
 
+    # h: (L, K, repeats, D, 2, n), mapped on its second axis at every level; tok (repeats, D, 2)
     by_side = jax.vmap(member, in_axes=(axes, None, 0, 1, 0, None), out_axes=(0, 1))
     by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0, None), out_axes=(0, 1))
-    by_members = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0, None), out_axes=(0, 1))
-    if lead:
-        by_members = jax.vmap(
-            by_members, in_axes=(replica_axes, replica_noise_axes, None, 1, None, 0), out_axes=(0, 1)
-        )
+    by_repeat = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0, None), out_axes=(0, 1))
+    by_replica = jax.vmap(by_repeat, in_axes=(replica_axes, noise_axes, None, 1, None, 0), out_axes=(0, 1))
 
     def step(h, io):
         tok, target = io
-        logits, h = by_members(member_params, member_noise, signs, h, tok, sigmas if lead else None)
+        logits, h = by_replica(member_params, member_noise, signs, h, tok, sigma_shifts)
         target = jnp.broadcast_to(target, (replicas,) + target.shape)
         ll = jax.vmap(log2_likelihood, in_axes=(0, 0, None))(
             logits.reshape(replicas * members, VOCAB), target.reshape(replicas * members), tables
         )
-        return h, ll.reshape(states.shape[: lead + 1])
+        return h, ll.reshape(replicas, members)
 
-    h = states.reshape(states.shape[:lead] + layout + states.shape[lead + 1 :])
-    h = jnp.moveaxis(h, lead + 3, 0)  # (L, [K,] R, D, 2, n)
+    h = jnp.moveaxis(states.reshape((replicas,) + layout + states.shape[2:]), 4, 0)  # (L, K, R, D, 2, n)
     io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))
     h, ll = jax.lax.scan(step, h, io)
-    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, lead + 3).reshape(states.shape)
+    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, 4).reshape(states.shape)
 
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
@@ -805,11 +860,6 @@ def weighted_max(cfg: Config) -> int:
     return noise_max * repeats * (1 if cfg.fast_fitness else INT8_MAX)
 
 
-def shifted(x: int, k: int) -> int:
-    """|x| / 2**k rounded half up: the magnitude round_shift gives, for a host integer."""
-    return (abs(x) + ((1 << k) >> 1)) >> k
-
-
 def weighted_shift(cfg: Config) -> int:
     """k of a low-rank matrix's Z operand round(w_j A_j / 2**k) (half away from zero), the smallest
     that keeps it int8, so that Z is an int8 x int8 product (2.2x faster than int16 x int8 on the
@@ -853,50 +903,10 @@ def alpha_schedule(args: Args) -> np.ndarray:
     return np.maximum(decay, args.alpha_floor)
 
 
-def isqrt(x):
-    """floor(sqrt(x)) of a non-negative int32, bit by bit (the trial squares fit uint32)."""
-    x, root = x.astype(jnp.uint32), jnp.zeros(x.shape, jnp.uint32)
-    for bit in reversed(range(16)):
-        trial = root | jnp.uint32(1 << bit)
-        root = jnp.where(trial * trial <= x, trial, root)
-    return root.astype(i32)
-
-
 def expected_square_sum(cfg: Config) -> float:
     """S_null: the expected sum of squared pair weights (scores summed over the pairs sharing a
     noise) under the null, pairs x E[score**2]."""
     return scored_pairs(cfg) * shaped_score_rms(cfg.fast_fitness) ** 2
-
-
-def bit_length(x):
-    """Bits of a non-negative int32 (0 for 0)."""
-    return 32 - jax.lax.clz(x)
-
-
-def scale_by_root(threshold, s, s_null: float):
-    """--null_from_scores: threshold x sqrt(s / s_null) for the sum s of this generation's squared
-    weights, floored, within 1 + 2**-12 relative; all int32, from mantissas in [2**14, 2**15): threshold
-    = tm 2**te, sqrt(s) = r 2**-j (r = isqrt(s 4**j) with s 4**j in [2**28, 2**30)) and
-    1 / sqrt(s_null) = im 2**-ie (from the host); ((tm r) >> 15) im < 2**31. The largest int32
-    (nothing moves) stays so, s = 0 (all ties: every Z is 0) gives 0, and s = s_null the threshold
-    itself."""
-    inverse = 1 / math.sqrt(s_null)
-    ie = ROOT_BITS - 1 - int(math.floor(math.log2(inverse)))
-    im = int(round(inverse * 2**ie))  # in [2**14, 2**15]
-    te = bit_length(threshold) - ROOT_BITS
-    tm = jnp.where(te >= 0, threshold >> jnp.maximum(te, 0), threshold << jnp.maximum(-te, 0))
-    j = (jax.lax.clz(jnp.maximum(s, 1)) - 2) >> 1
-    r = isqrt(s << j * 2)
-    product = ((tm * r) >> ROOT_BITS) * im
-    shift = ROOT_BITS + te - j - ie
-    room = jax.lax.clz(jnp.maximum(product, 1)) - 1  # left shifts that keep it an int32
-    scaled = jnp.where(
-        shift >= 0,
-        jnp.where(shift <= room, product << jnp.clip(shift, 0, 31), INT32_MAX),
-        product >> jnp.clip(-shift, 0, 31),
-    )
-    same = s == int(s_null) if float(s_null).is_integer() else False
-    return jnp.where((threshold == INT32_MAX) | same, threshold, jnp.where(s == 0, 0, scaled))
 
 
 def u_shifts(cfg: Config) -> tuple[int, int]:
@@ -952,29 +962,18 @@ def z_statistic(noise, weights, cfg: Config):
 
 
 def optimizer_slots(cfg: Config) -> tuple[str, ...]:
-    rule = {"ztest": (), "momentum": ("m",), "adam": ("m", "v")}[cfg.optimizer]
-    return rule + ("noise",) * cfg.adapt_noise
-
-
-def state_shape(slot: str, name: str, cfg: Config) -> tuple[int, ...]:
-    """m and v: one entry per parameter entry; noise: one per group (per layer of a block tensor)."""
-    if slot == "noise":
-        return (cfg.n_layer,) * (name in BLOCK_NAMES)
-    return full_shape(name, cfg)
+    """The update rule's state per parameter entry: none (ztest), m (momentum), m and v (adam)."""
+    return {"ztest": (), "momentum": ("m",), "adam": ("m", "v")}[cfg.optimizer]
 
 
 def init_optimizer(cfg: Config) -> dict:
-    """The update rule's state, int16, keyed 'SLOT/NAME': m, the running sum of u (momentum,
-    adam), from 0; v, the running sum of |u| (adam), from its null mean 2**scale_shift E|u|;
-    noise, each group's noise multiplier (--adapt_noise), from 1 (2**NOISE_SCALE_FRAC). Empty for
-    ztest alone."""
+    """One model's update rule state, int16, keyed 'SLOT/NAME', each the parameter's shape: m, the
+    running sum of u (momentum, adam), from 0; v, the running sum of |u| (adam), from its null
+    mean 2**scale_shift E|u|. Empty for ztest."""
     v0 = np.round(2**cfg.scale_shift * u_null_std(cfg) * math.sqrt(2 / math.pi)).astype(int)
-
-    def start(slot: str, name: str) -> int:
-        return {"m": 0, "v": int(v0[int(name not in MATRICES)]), "noise": 2**NOISE_SCALE_FRAC}[slot]
-
+    start = {"m": lambda name: 0, "v": lambda name: int(v0[kind_of(name)])}
     return {
-        f"{slot}/{name}": jnp.full(state_shape(slot, name, cfg), start(slot, name), STATE)
+        f"{slot}/{name}": jnp.full(full_shape(name, cfg), start[slot](name), STATE)
         for slot in optimizer_slots(cfg)
         for name in PARAM_NAMES
     }
@@ -985,81 +984,6 @@ def standardise(z, shift: int):
     + 1)) (u_shifts), as int32."""
     reach = min(INT8_MAX << shift, INT32_MAX - (1 << shift))  # rounds to 127; no int32 overflow
     return jnp.clip(round_shift(jnp.clip(z, -reach, reach), shift), -INT8_MAX, INT8_MAX)
-
-
-def spread_shift(entries: int) -> int:
-    """Right shift of u**2 (<= 127**2 < 2**14) that keeps a sum of `entries` of them below 2**31."""
-    return max(entries.bit_length() - 17, 0)
-
-
-def spread(u, name: str, cfg: Config):
-    """The spread ratio's two terms for each group (the tensor, or each layer of a stacked one):
-    (sum((u**2) >> b) per group, int32 (layers,); its expectation under the null, a float),
-    b = spread_shift. The ratio r ~ 1 when the group's Z is noise, > 1 when the fitness follows
-    its noise (or the scores have heavier tails). Null expectation: entries x (E[u**2] / 2**b -
-    (2**b - 1) / 2**(b + 1)), the floor of the shift taking (2**b - 1) / 2**(b + 1) on average."""
-    layers = u.shape[0] if name in BLOCK_NAMES else 1
-    groups = u.reshape(layers, -1)
-    entries, b = groups.shape[1], spread_shift(groups.shape[1])
-    mean_square = u_null_std(cfg)[int(name not in MATRICES)] ** 2
-    expected = entries * (mean_square / 2**b - (2**b - 1) / 2 ** (b + 1))
-    return jnp.sum((groups * groups) >> b, axis=1), expected
-
-
-def adapted_threshold(threshold, u, name: str, cfg: Config):
-    """--adapt_threshold: threshold x sqrt(r) per group, r its spread ratio (spread). Under the
-    null r ~ 1 and nothing changes; a group whose Z spreads wider than the null gets a higher
-    threshold, so every group moves about the share the test's level gives. Shaped like u's
-    leading axes for broadcasting; adam's multiplier is capped at SCALE_MAX as z_thresholds' are."""
-    square_sum, expected = spread(u, name, cfg)
-    scaled = scale_by_root(threshold, square_sum, expected)
-    if cfg.optimizer == "adam":
-        scaled = jnp.minimum(scaled, SCALE_MAX)
-    return scaled.reshape((-1,) + (1,) * (u.ndim - 1)) if name in BLOCK_NAMES else scaled[0]
-
-
-def spread_root(u, name: str, cfg: Config):
-    """sqrt(r) of each group's spread ratio (spread), int32 (layers,) at SPREAD_FRAC, within
-    1 + 2**-12 relative (scale_by_root)."""
-    square_sum, expected = spread(u, name, cfg)
-    return scale_by_root(jnp.full(square_sum.shape, 2**SPREAD_FRAC, i32), square_sum, expected)
-
-
-def adapted_noise(scales: dict, roots: dict) -> dict:
-    """--adapt_noise: each group's noise multiplier q (int16 at NOISE_SCALE_FRAC, shaped (layers,) or
-    ()) one step down where its root spread ratio (spread_root) is above the median group's, one up
-    where not, within NOISE_SCALE_RANGE. r - 1 grows as the square of a group's noise (the fitness
-    follows it more), so the steps steer every group towards the median group's signal: more noise
-    for a group whose signal is lost among the others', less for one that stands out (smoothed
-    less). Half the groups step each way, so the noise's overall scale stays --sigma_shift's.
-    scales: {NAME: q}, roots: {NAME: sqrt(r)}, both by parameter name."""
-    every = jnp.concatenate([roots[name].reshape(-1) for name in scales])
-    median = jnp.sort(every)[every.size // 2]
-    low, high = NOISE_SCALE_RANGE
-    return {
-        name: jnp.clip(
-            q.astype(i32) + jnp.where(roots[name] > median, -1, 1).reshape(q.shape), low, high
-        ).astype(STATE)
-        for name, q in scales.items()
-    }
-
-
-def scale_noise(noise, opt):
-    """--adapt_noise: the noise the members are perturbed with, each group's (A, or the full-shape
-    noise) times its multiplier q / 2**NOISE_SCALE_FRAC, rounded half away from zero (int8: |entry|
-    <= 2 x 46). The update's Z keeps the unscaled noise, so its null and thresholds are unchanged.
-    Leaves with a leading (pairs,) axis, as generation_noise gives them."""
-
-    def times(x, q, block: bool):
-        if block:  # (pairs, layers, ...) against (layers,)
-            q = q.reshape((1, -1) + (1,) * (x.ndim - 2))
-        return round_shift(x.astype(i32) * q.astype(i32), NOISE_SCALE_FRAC).astype(jnp.int8)
-
-    out = {}
-    for name, nz in noise.items():
-        q, block = opt[f"noise/{name}"], name in BLOCK_NAMES
-        out[name] = (times(nz[0], q, block), nz[1]) if isinstance(nz, tuple) else times(nz, q, block)
-    return out
 
 
 def rule_step(z, u, m, v, threshold, cfg: Config):
@@ -1085,122 +1009,91 @@ def rule_step(z, u, m, v, threshold, cfg: Config):
 
 
 def es_update(params, opt, noise, scores, thresholds, cfg: Config):
-    """Move each parameter by +-1 where --optimizer's test on the fitness-weighted noise Z passes.
+    """One model's update: each parameter moves by +-1 where --optimizer's test on the
+    fitness-weighted noise Z passes.
 
-    scores: (scored_pairs,) shaped fitness, segment-major. Pairs sharing noise are summed first, so
-    Z is one int32 matrix product per parameter. opt: the rule's state (init_optimizer). Returns the new
-    parameters, the new state and how many entries moved in each tensor, each layer counted apart
-    (so that every count fits int32; the host adds them up).
+    scores: (scored_pairs,) shaped fitness, segment-major; thresholds (2,) int32, the matrices' and
+    the vectors'. Pairs sharing noise are summed first, so Z is one int32 matrix product per
+    parameter. opt: the rule's state (init_optimizer). Returns the new parameters, the new state
+    and how many entries moved in each tensor, each layer counted apart (so that every count fits
+    int32; the host adds them up).
     """
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     by_noise = scores.astype(i32).reshape(cfg.segments, repeats, cfg.distinct_pairs).sum(1)
     weights = by_noise.reshape(-1)  # (noise_pairs,), as generation_noise orders them
-    shifts = u_shifts(cfg)
-    if cfg.null_from_scores and cfg.optimizer == "ztest" and not cfg.adapt_threshold:
+    if cfg.optimizer == "ztest" and cfg.null_from_scores:
         thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
-    new, new_opt, moved, roots = {}, {}, [], {}
-    needs_u = cfg.optimizer != "ztest" or cfg.adapt_threshold or cfg.adapt_noise
+    shifts = u_shifts(cfg)
+    new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
         z = z_statistic(noise[name], weights, cfg)
-        kind = int(name not in MATRICES)
-        u = standardise(z, shifts[kind]) if needs_u else None
-        threshold = (
-            adapted_threshold(thresholds[kind], u, name, cfg) if cfg.adapt_threshold else thresholds[kind]
+        u = None if cfg.optimizer == "ztest" else standardise(z, shifts[kind_of(name)])
+        step, m, v = rule_step(
+            z, u, opt.get(f"m/{name}"), opt.get(f"v/{name}"), thresholds[kind_of(name)], cfg
         )
-        m, v = opt.get(f"m/{name}"), opt.get(f"v/{name}")
-        step, m, v = rule_step(z, u, m, v, threshold, cfg)
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
-        if cfg.adapt_noise:
-            roots[name] = spread_root(u, name, cfg)
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
         layers = changed.shape[0] if name in BLOCK_NAMES else 1
         moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
-    if cfg.adapt_noise:
-        scales = adapted_noise({name: opt[f"noise/{name}"] for name in PARAM_NAMES}, roots)
-        new_opt.update({f"noise/{name}": q for name, q in scales.items()})
     return new, new_opt, jnp.concatenate(moved)
-
-
-POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
-
-
-def population_mesh(devices=None) -> jax.sharding.Mesh:
-    """A 1-D mesh over every device of every process (or the given ones)."""
-    return jax.sharding.Mesh(np.array(devices or jax.devices()), (POP,))
-
-
-def population_spec(replica_axes: int) -> jax.sharding.PartitionSpec:
-    """States and fitness: spread over the population axis, after the replica axis if any."""
-    return jax.sharding.PartitionSpec(*(None,) * replica_axes, POP)
 
 
 def pair_mean(states):
     """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
-    of their two hidden states, rounded half away from zero (int8: |mean| <= 127)."""
+    of their two hidden states, rounded half away from zero (int8: |mean| <= 127). states (M, L, n)."""
     pairs = states.astype(i32).reshape((-1, 2) + states.shape[1:])
     mean = round_shift(pairs[:, 0] + pairs[:, 1], 1).astype(jnp.int8)
     return jnp.repeat(mean, 2, axis=0)
 
 
+POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
+REPLICATED = jax.sharding.PartitionSpec()  # parameters, update rule state, batches: whole on every device
+SPREAD = jax.sharding.PartitionSpec(None, POP)  # states and fitness (K, members, ...): members spread
+
+
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "train"):
-    """One generation as one jitted call: population fitness, then the update.
+    """One generation of every replica as one jitted call: population fitness, then the update.
 
-    step(params, opt, states, batch, generation, thresholds) -> (params, opt, states, fitness, moved)
-    batch: (P / group_size, T + 1) uint8, one data sequence per group of members, replicated.
-    Each device evaluates its parallel_generations_per_gpu members (states and fitness are
-    sharded); the one collective gathers every pair's int8 score in every segment (half a byte per
-    member and segment); then every device rebuilds all the noise from its counters and applies
-    the identical update to its replicated parameters and update rule state. For --benchmark,
-    part="fitness" stops before the update and part="inference" runs the same members and tokens
-    without noise.
-
-    With cfg.replicas = K > 1 every replica runs this same step: params, opt, states and
-    thresholds have a leading (K,) axis (the states sharded on their second), and step takes two
-    more (K,) int32 arguments, each replica's seed and sigma_shift, traced where a single run has
-    them static (shifts by a traced amount are the same integer operations). The noise, the
-    shaping and the update are vmapped over the replicas; the population fitness takes the
-    replica axis as one more member axis (population_fitness).
+    step(params, opt, states, batch, generation, thresholds, seeds, sigma_shifts)
+        -> (params, opt, states, fitness, moved)
+    params, opt: each (K, ...); states (K, P, L, n) int8; batch (P / group_size, T + 1) uint8, one
+    data sequence per group of members, the same for every replica; thresholds (K, 2), seeds (K,)
+    and sigma_shifts (K,) int32, each replica's own (traced: a shift by an amount known at run time
+    is the same integer operation). Each device evaluates its parallel_generations_per_gpu members
+    of every replica (states and fitness are sharded on their member axis); the one collective
+    gathers every pair's int8 score in every segment (half a byte per member and segment); then
+    every device rebuilds all the noise from its counters and applies the identical update to its
+    replicated parameters and update rule state. For --benchmark, part="fitness" stops before the
+    update and part="inference" runs the same members and tokens without noise.
     """
-    spec = jax.sharding.PartitionSpec
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
-    lead = int(cfg.replicas > 1)  # the replica axis, if any
 
-    def each(f, *xs):
-        """f of every replica (a vmap over the replica axis), or of the single run."""
-        return jax.vmap(f)(*xs) if lead else f(*xs)
+    def device_noise(seeds, generation, start):
+        """(all, local): every pair's noise of every replica, (K, S D, ...) (the update needs them
+        all), and this device's members' pairs of each segment, (S, K, distinct, ...)."""
+        noise = jax.vmap(lambda seed: generation_noise(cfg, seed, generation))(seeds)
+        offset = (start // 2) % cfg.distinct_pairs
 
-    def local_step(params, opt, states, batch, generation, thresholds, seed=None, sigma_shift=None):
-        first = jax.lax.axis_index(POP) * members
-        tokens = batch[(first + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
-        nothing = jnp.zeros((), i32)
-        noise, local = None, None
-        if part != "inference":
-            # every pair's noise (the update needs them all), from each replica's seed
-            if lead:
-                noise = jax.vmap(lambda s: generation_noise(cfg._replace(seed=s), generation))(seed)
-            else:
-                noise = generation_noise(cfg, generation)
-            offset = (first // 2) % cfg.distinct_pairs
+        def this_device(n):
+            n = n.reshape(n.shape[:1] + (cfg.segments, cfg.distinct_pairs) + n.shape[2:])
+            return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=2), 1, 0)
 
-            def this_device(n):  # ([K,] S D, ...) -> (S, [K,] distinct, ...): each segment's local pairs
-                n = n.reshape(n.shape[:lead] + (cfg.segments, cfg.distinct_pairs) + n.shape[lead + 1 :])
-                return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=lead + 1), lead, 0)
+        return noise, jax.tree.map(this_device, noise)
 
-            local = jax.tree.map(this_device, noise)
+    def segments_fitness(params, local, states, tokens, sigma_shifts):
+        """Every segment in turn (a scan per segment length): fitness (S, K, members), states."""
 
         def segment(states, xs):
             nz, inputs, targets = xs
             if cfg.shared_pair_state:
-                states = each(pair_mean, states)
-            if cfg.adapt_noise and nz is not None:
-                nz = each(scale_noise, nz, opt)
-            fitness, states = population_fitness(params, nz, states, inputs, targets, cfg, sigma_shift)
+                states = jax.vmap(pair_mean)(states)
+            fitness, states = population_fitness(params, nz, states, inputs, targets, sigma_shifts, cfg)
             return states, fitness
 
         parts, segment_start, token_start = [], 0, 0
-        for count, length in segment_lengths(cfg):  # a scan over the segments of each length
+        for count, length in segment_lengths(cfg):
 
             def cut(x, a=token_start, n=count, length=length):  # (n, members, length): each segment's bytes
                 return jnp.moveaxis(x[:, a : a + n * length].reshape(members, n, length), 1, 0)
@@ -1209,67 +1102,151 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
             states, out = jax.lax.scan(segment, states, (nz, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
             parts.append(out)
             segment_start, token_start = segment_start + count, token_start + count * length
-        fitness = jnp.concatenate(parts)  # (S, [K,] members)
+        return jnp.concatenate(parts), states
+
+    def local_step(params, opt, states, batch, generation, thresholds, seeds, sigma_shifts):
+        start = jax.lax.axis_index(POP) * members  # this device's first member
+        tokens = batch[(start + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
+        noise, local = device_noise(seeds, generation, start) if part != "inference" else (None, None)
+        fitness, states = segments_fitness(params, local, states, tokens, sigma_shifts)
         if part != "train":
-            return params, opt, states, jnp.sum(fitness, axis=0), nothing
-        shaped = each(partial(shape_fitness, cfg=cfg, axis=POP), jnp.moveaxis(fitness, 0, lead))
-        scores = jax.lax.all_gather(shaped, POP, axis=lead + 1, tiled=True)  # ([K,] S, pairs)
-        scores = scores.reshape(scores.shape[:lead] + (-1,))
-        params, opt, moved = each(partial(es_update, cfg=cfg), params, opt, noise, scores, thresholds)
+            return params, opt, states, jnp.sum(fitness, axis=0), jnp.zeros((), i32)
+        shaped = jax.vmap(partial(shape_fitness, cfg=cfg, axis=POP))(jnp.moveaxis(fitness, 0, 1))
+        scores = jax.lax.all_gather(shaped, POP, axis=2, tiled=True)  # (K, S, pairs)
+        scores = scores.reshape(scores.shape[0], -1)
+        params, opt, moved = jax.vmap(partial(es_update, cfg=cfg))(params, opt, noise, scores, thresholds)
         return params, opt, states, jnp.sum(fitness, axis=0), moved
 
-    population = population_spec(lead)
     step = jax.shard_map(
         local_step,
         mesh=mesh,
-        in_specs=(spec(), spec(), population, spec(), spec(), spec()) + (spec(), spec()) * lead,
-        out_specs=(spec(), spec(), population, population, spec()),
+        in_specs=(REPLICATED, REPLICATED, SPREAD, REPLICATED, REPLICATED, REPLICATED, REPLICATED, REPLICATED),
+        out_specs=(REPLICATED, REPLICATED, SPREAD, SPREAD, REPLICATED),
         check_vma=False,
     )
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
-    """Noise-free log2-likelihood sums of each row: evaluate(params, rows (R, L) uint8) -> (R,),
-    the rows spread over the devices (R a multiple of twice their number), the result replicated;
-    with replicas, params with a leading (K,) axis and the result (K, R)."""
-    spec = jax.sharding.PartitionSpec
-    lead = (cfg.replicas,) * (cfg.replicas > 1)
+    """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, L)
+    uint8) -> (K, R), the rows spread over the devices (R a multiple of twice their number), the
+    result replicated."""
 
     def evaluate(params, rows):
-        h = jnp.zeros(lead + (rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
-        return population_fitness(params, None, h, rows[:, :-1], rows[:, 1:], cfg)[0]
+        h = jnp.zeros((cfg.replicas, rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
+        return population_fitness(params, None, h, rows[:, :-1], rows[:, 1:], None, cfg)[0]
 
-    out = population_spec(len(lead))
-    local = jax.shard_map(evaluate, mesh=mesh, in_specs=(spec(), spec(POP)), out_specs=out, check_vma=False)
-    return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, spec()))
-
-
-def initial_states(cfg: Config):
-    return jnp.zeros((cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+    rows = jax.sharding.PartitionSpec(POP)
+    local = jax.shard_map(evaluate, mesh=mesh, in_specs=(REPLICATED, rows), out_specs=SPREAD, check_vma=False)
+    return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, REPLICATED))
 
 
-def init_replicas(cfg: Config, settings: list[dict]):
-    """(params, opt, states) of a fresh run: with replicas, each replica's parameters from its own
-    seed, stacked on a leading axis, as are the update rule states and hidden states."""
-    if cfg.replicas == 1:
-        return jax.jit(init_params, static_argnums=0)(cfg), init_optimizer(cfg), initial_states(cfg)
-    seeds = jnp.array([s["seed"] for s in settings], i32)
-    params = jax.jit(jax.vmap(lambda seed: init_params(cfg._replace(seed=seed))))(seeds)
+def init_run(cfg: Config, seeds: list[int]):
+    """(params, opt, states) of a fresh run, each with the leading replica axis: each replica's
+    parameters from its own seed, update rule states from their start, hidden states at zero."""
+    params = jax.jit(jax.vmap(partial(init_params, cfg)))(jnp.array(seeds, i32))
     stack = partial(jax.tree.map, lambda x: jnp.broadcast_to(x, (cfg.replicas,) + x.shape))
-    return params, stack(init_optimizer(cfg)), stack(initial_states(cfg))
+    states = jnp.zeros((cfg.replicas, cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+    return params, stack(init_optimizer(cfg)), states
 
 
-def replica_thresholds(rows: list[np.ndarray], cfg: Config) -> np.ndarray:
-    """The step's thresholds argument from each replica's (2,) row: (K, 2), or (2,) for a single run."""
-    return np.stack(rows) if cfg.replicas > 1 else rows[0]
+# ------------------------------------------------------------------------------------------------
+# Devices: one mesh axis over every device of every process; arrays move between the host and it.
 
 
-def replica_inputs(cfg: Config, settings: list[dict]) -> tuple:
-    """The step's extra arguments: each replica's seed and sigma_shift (none for a single run)."""
-    if cfg.replicas == 1:
-        return ()
-    return tuple(np.array([s[name] for s in settings], np.int32) for name in ("seed", "sigma_shift"))
+def population_mesh(devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh over every device of every process (or the given ones). The first call starts
+    JAX's platform: one that cannot start (a --platform this machine lacks) is refused in one line."""
+    if devices is None:
+        try:
+            devices = jax.devices()
+        except RuntimeError as error:
+            raise UserError(f"JAX cannot start its platform: {str(error).splitlines()[0]}") from None
+    return jax.sharding.Mesh(np.array(devices), (POP,))
+
+
+def init_distributed(args: Args) -> None:
+    """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
+    jax.distributed itself (SLURM with several tasks, and the other clusters it knows)."""
+    by_hand = bool(args.coord_addr) or args.num_procs > 1
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    if not (by_hand or slurm):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices; else unused
+    if by_hand:
+        jax.distributed.initialize(args.coord_addr, args.num_procs, args.proc_id)
+    else:
+        jax.distributed.initialize()
+
+
+def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
+    """A host array, the same on every process, as a global array with the given sharding."""
+    x = np.asarray(x)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def on_mesh(params, opt, states, mesh):
+    """Parameters and update rule state replicated on every device, hidden states spread over the
+    population."""
+    params, opt = jax.tree.map(lambda p: global_array(p, mesh, REPLICATED), (params, opt))
+    return params, opt, global_array(states, mesh, SPREAD)
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host (a collective if it spans processes)."""
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def local_copy(x: jax.Array, axis: int) -> np.ndarray:
+    """This process's part of an array sharded over the population, its `axis` (no communication)."""
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
+
+
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8}
+
+
+def collective_traffic(hlo: str) -> list[tuple[str, int]]:
+    """(operation, bytes each device receives) of every collective in a compiled program's HLO."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(rf"= (\(?[^=]*?\)?) ({'|'.join(COLLECTIVE_OPS)})(-start)?\(", line)
+        if match:
+            shapes = re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))
+            if match.group(3):  # an async start returns (operand, result): count the result
+                shapes = shapes[-1:]
+            size = sum(
+                DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes
+            )
+            found.append((match.group(2), size))
+    return found
+
+
+class Compiled(NamedTuple):
+    """A generation step compiled ahead of time, and what its compiled program shows."""
+
+    step: Any
+    seconds: float  # compile time
+    temporaries: float  # MiB of the program's own temporaries on a device
+    traffic: int  # bytes each device receives through collectives per generation
+
+
+def compile_generation(cfg: Config, mesh, part: str, carry: tuple, batch, inputs: tuple) -> Compiled:
+    """make_generation_step's program for these arguments, compiled now (the first call then runs,
+    and the program's memory and collectives are known before it does)."""
+    tick = time.time()
+    step = make_generation_step(cfg, mesh, part).lower(*carry, batch, np.int32(0), *inputs).compile()
+    seconds = time.time() - tick
+    temporaries = getattr(step.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    return Compiled(step, seconds, temporaries, sum(size for _, size in collective_traffic(step.as_text())))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1280,6 +1257,7 @@ def replica_inputs(cfg: Config, settings: list[dict]) -> tuple:
 # |log2 p(target)| at LL_FRAC: the target 254 logit steps below the top (254 * 16), plus log2 s
 # for s <= 2**28 (2**LL_FRAC per bit above EXP_FRAC, one more for the mantissa)
 LL_BOUND = 254 * 2 ** (LL_FRAC - LOGIT_FRAC) + (28 - EXP_FRAC + 1) * 2**LL_FRAC
+SMALLER_POPULATION = "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness"
 
 
 def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
@@ -1287,11 +1265,9 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     tables = make_tables(cfg.rank)
     a_max = int(np.abs(tables.gauss).max())
     b_max = int(np.abs(tables.gauss_rank).max())
-    # the members' noise: --adapt_noise scales A (or full-shape noise) by up to its largest multiplier
-    a_fwd = a_max * NOISE_SCALE_RANGE[1] // 2**NOISE_SCALE_FRAC if cfg.adapt_noise else a_max
     n_in = 4 * cfg.n_embd  # the widest matmul input (the MLP's down projection)
     x_b = INT8_MAX * b_max * n_in  # x B
-    u_a = (x_b >> NOISE_FRAC) * a_fwd * cfg.rank  # ((x B) >> 4) A^T
+    u_a = (x_b >> NOISE_FRAC) * a_max * cfg.rank  # ((x B) >> 4) A^T
     score_max = 1 if cfg.fast_fitness else INT8_MAX
     pairs = scored_pairs(cfg)
     z_vector = pairs * score_max * (a_max if cfg.use_clt else 1)
@@ -1299,30 +1275,25 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     z_matrix = noise_pairs(cfg) * shifted(weighted_max(cfg), k) * cfg.rank
     z_matrix *= b_max if cfg.use_clt else 1
     if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries as a vector's does
-        x_b, u_a, z_matrix = 0, INT8_MAX * a_fwd * n_in, z_vector
+        x_b, u_a, z_matrix = 0, INT8_MAX * a_max * n_in, z_vector
+    repeats = cfg.population // (2 * cfg.distinct_pairs)
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
         "fitness (log2-likelihood sum)": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
         # both members' fitness lie in [-LL_BOUND T, 0]
         "fitness difference of a pair": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
-        "Z of a matrix entry": (
-            z_matrix,
-            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
-        ),
-        "Z of a vector entry": (
-            z_vector,
-            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
-        ),
+        "Z of a matrix entry": (z_matrix, SMALLER_POPULATION),
+        "Z of a vector entry": (z_vector, SMALLER_POPULATION),
+        # counted whether or not --null_from_scores computes it, so that --segments 0 picks one
+        # count for a configuration whatever that flag says
         "sum of squared pair weights (--null_from_scores)": (
-            noise_pairs(cfg) * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
-            if cfg.null_from_scores
-            else 0,
-            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
+            noise_pairs(cfg) * (repeats * score_max) ** 2,
+            SMALLER_POPULATION,
         ),
         "sum of |pair difference| mod pairs (normalised fitness)": (
             0 if cfg.fast_fitness else pairs * (pairs - 1),
-            "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness",
+            SMALLER_POPULATION,
         ),
         "count of moved entries of one layer's tensor": (
             max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES),
@@ -1332,52 +1303,180 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
 
 
 def num_parameters(cfg: Config) -> int:
-    return sum(math.prod(param_shape(k, cfg)) * (cfg.n_layer if k in BLOCK_NAMES else 1) for k in PARAM_NAMES)
+    """Parameters of one model."""
+    return sum(math.prod(full_shape(k, cfg)) for k in PARAM_NAMES)
+
+
+def make_config(args: Args, devices: int | None = None) -> Config:
+    """The static configuration of a run on `devices` JAX devices (default: one GPU's worth). A CPU
+    split into --cpu_devices of them counts as one device of --parallel_generations_per_gpu."""
+    shards = max(args.cpu_devices, 1)
+    devices = shards if devices is None else devices
+    population = args.parallel_generations_per_gpu * devices // shards
+    cfg = Config(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        population=population,
+        group_size=args.group_size,
+        tokens=args.tokens_per_update,
+        segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
+        rank=args.rank,
+        use_clt=args.use_clt,
+        fast_fitness=args.fast_fitness,
+        noise_reuse=args.noise_reuse,
+        distinct_pairs=(args.num_perturbations or population) // 2,
+        devices=devices,
+        optimizer=args.optimizer,
+        momentum_shift=args.momentum_shift,
+        scale_shift=args.scale_shift,
+        shared_pair_state=args.shared_pair_state,
+        null_from_scores=args.null_from_scores,
+        mlp_relu=args.mlp_relu,
+        init_std=args.init_std,
+        replicas=args.replicas,
+    )
+    while (
+        not args.segments
+        and cfg.segments > 1
+        and max(b for b, _ in accumulator_bounds(cfg).values()) > INT32_MAX
+    ):
+        cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags: each replica's settings, the checks every flag's facts and the int32 bounds imply, the
+# --algorithm upstream preset, and the command line.
+
+
+def replica_settings(args: Args) -> list[dict]:
+    """Each replica's seed (--seed + its index) and settings (its --replica_NAME value, else --NAME)."""
+    lists = {
+        name: getattr(args, f"replica_{name}") or (getattr(args, name),) * args.replicas
+        for name in REPLICA_SETTINGS
+    }
+    return [
+        {"seed": args.seed + k, **{name: lists[name][k] for name in REPLICA_SETTINGS}}
+        for k in range(args.replicas)
+    ]
+
+
+def single_run(args: Args, **changes) -> Args:
+    """These flags without replicas (and PBT), with `changes` (e.g. one replica's settings)."""
+    lists = {f"replica_{name}": () for name in REPLICA_SETTINGS}
+    return dataclasses.replace(args, **{"replicas": 1, "pbt_every": 0, **lists, **changes})
+
+
+def check_range(name: str, value, which: str = "") -> None:
+    """Refuse a value outside the flag's range (Facts) with one line naming it; `which` names a replica."""
+    facts = flag_facts()[name]
+    if not facts.admits(value):
+        why = f": {facts.why}" if facts.why else ""
+        raise UserError(f"--{name} must be {facts.allowed()}, got {value}{which}{why}")
+
+
+def check_args(args: Args) -> None:
+    """Refuse a bad configuration with one clear line, naming the flag, before anything is compiled."""
+    for name, facts in flag_facts().items():
+        if facts.ranged():
+            check_range(name, getattr(args, name))
+    p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
+    if p % 2:
+        raise UserError(f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}")
+    if g % 2 or p % g:
+        raise UserError(f"--group_size must be even and divide the population {p}, got {g}")
+    if n and (n % 2 or p % n):
+        raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
+    if args.n_embd % 4:
+        raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
+    if args.proc_id >= args.num_procs:
+        raise UserError(f"--proc_id must be below --num_procs, got {args.proc_id} of {args.num_procs}")
+    for name in REPLICA_SETTINGS:
+        given = getattr(args, f"replica_{name}")
+        if given and len(given) != args.replicas:
+            raise UserError(
+                f"--replica_{name} has {len(given)} value(s): give one per replica "
+                f"(--replicas {args.replicas})"
+            )
+    if args.pbt_every and args.replicas < 4:
+        raise UserError(
+            f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {args.replicas}"
+        )
+    for k, setting in enumerate(replica_settings(args)):
+        for name in REPLICA_SETTINGS:
+            check_range(name, setting[name], f" (replica {k})" if args.replicas > 1 else "")
+    check_ranges(make_config(args))
 
 
 def check_ranges(cfg: Config) -> None:
-    for name, (bound, flag) in accumulator_bounds(cfg).items():
+    """Refuse a configuration whose int32 accumulators could overflow (accumulator_bounds)."""
+    for name, (bound, remedy) in accumulator_bounds(cfg).items():
         if bound > INT32_MAX:
             raise UserError(
-                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {flag}"
+                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {remedy}"
             )
-
-
-def largest_sigma_shift() -> int:
-    """The largest --sigma_shift at which a vector perturbation can be non-zero. A vector moves by
-    round_shift(q, s) for a noise entry q (s = sigma_shift + NOISE_FRAC - WEIGHT_FRAC), which is
-    >= 1 exactly while |q| >= 2**(s - 1): up to s = bit length of the table's largest |q| (46: 6)."""
-    largest = int(np.abs(make_tables(1).gauss).max())
-    return largest.bit_length() - (NOISE_FRAC - WEIGHT_FRAC)
 
 
 def check_z_test(args: Args, cfg: Config) -> None:
-    """Refuse a fixed --alpha so small that its threshold is beyond the largest |Z| (momentum: |m|)
-    an entry can reach at this population: no parameter could ever move. (A schedule starts at
-    alpha 1; adam's test compares with a running scale and has no such bound.)"""
+    """Refuse a fixed --alpha of a replica so small that its threshold is beyond the largest |Z|
+    (momentum: |m|) an entry can reach at this population: no parameter could ever move. (A
+    schedule starts at alpha 1; adam's test compares with a running scale and has no such bound.)"""
     if cfg.optimizer == "adam":
         return
     bounds = accumulator_bounds(cfg)
-    first = z_thresholds(dataclasses.replace(args, num_epochs=1), cfg)[0]
     statistic = "|Z|" if cfg.optimizer == "ztest" else "running sum |m|"
-    for kind, threshold in zip(("matrix", "vector"), first, strict=True):
-        reach = (
-            bounds[f"Z of a {kind} entry"][0] if cfg.optimizer == "ztest" else INT8_MAX << cfg.momentum_shift
-        )
-        if threshold >= reach:
-            raise UserError(
-                f"--alpha {args.alpha:g} at population {cfg.population}: the Z-test threshold {threshold:,} "
-                f"is beyond the largest {statistic} a {kind} entry can reach ({reach:,}), so nothing would "
-                "ever move; use a larger --alpha or population"
-            )
+    for setting in replica_settings(args):
+        alone = single_run(args, **setting, num_epochs=1)
+        for kind, threshold in zip(("matrix", "vector"), z_thresholds(alone, cfg)[0], strict=True):
+            ztest = cfg.optimizer == "ztest"
+            reach = bounds[f"Z of a {kind} entry"][0] if ztest else INT8_MAX << cfg.momentum_shift
+            if threshold >= reach:
+                raise UserError(
+                    f"--alpha {setting['alpha']:g} at population {cfg.population}: the Z-test threshold "
+                    f"{threshold:,} is beyond the largest {statistic} a {kind} entry can reach ({reach:,}), "
+                    "so nothing would ever move; use a larger --alpha or population"
+                )
+
+
+def upstream_preset() -> dict[str, Any]:
+    """--algorithm upstream: upstream nano-egg's value of every flag whose default here differs."""
+    return {name: facts.upstream for name, facts in flag_facts().items() if facts.upstream is not None}
+
+
+def flag_given(argv: list[str], name: str) -> bool:
+    """Whether --name (spelt with underscores or dashes, with or without =value) is in argv."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(word.partition("=")[0] in spellings for word in argv)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Args from the command line. Besides tyro's --flag / --no-flag, booleans also accept
+    --flag=True|False and --flag True|False: the forms W&B sweep agents pass with ${args}."""
+    booleans = {name for name, hint in typing.get_type_hints(Args).items() if hint is bool}
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        name, equals, value = word[2:].partition("=")
+        if word.startswith("--") and name.replace("-", "_") in booleans:
+            if not equals and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                equals, value = "=", argv[i + 1]
+                i += 1
+            if equals:
+                if value.lower() not in ("true", "false"):
+                    raise UserError(f"--{name} takes True or False, got {value!r}")
+                word = f"--{name}" if value.lower() == "true" else f"--no-{name}"
+        out.append(word)
+        i += 1
+    args = tyro.cli(Args, args=out, use_underscores=True)  # --help spells flags as upstream does
+    if args.algorithm == "upstream":
+        preset = upstream_preset()
+        given = {k for k in preset if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))}
+        args = dataclasses.replace(args, **{k: v for k, v in preset.items() if k not in given})
+    return args
 
 
 # ------------------------------------------------------------------------------------------------
 # Data: a corpus is a read-only memory-mapped uint8 array; documents are separated by byte 0.
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit code 2, no traceback."""
 
 
 def stdlib_folder() -> Path:
@@ -1394,12 +1493,24 @@ def corpus_files(folder: Path, suffix: str = "") -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
+def temporary(path: Path) -> Path:
+    """The hidden name under which a file or a checkpoint folder is written, or removed, before it
+    is renamed: .NAME.tmpPID. A kill at any moment thus never leaves half of one under its real
+    name, and a later start knows from the PID which leftovers are a dead process's (leftover_of)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def leftover_of(path: Path) -> int | None:
+    """The PID in a temporary's name (temporary), or None for any other name."""
+    match = re.fullmatch(r"\..+\.tmp(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
 @contextmanager
 def atomic_file(path: Path):
-    """Open `path` for binary writing under a hidden temporary name (.NAME.tmpPID), then fsync it
-    and rename it into place: a kill at any moment never leaves a half-written file under the real
-    name (a failed write removes its temporary)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Open `path` for binary writing under its temporary name, then fsync it and rename it into
+    place (a failed write removes its temporary)."""
+    tmp = temporary(path)
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -1637,69 +1748,35 @@ def describe_baselines(values: dict[str, float]) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # Checkpoints. One folder per checkpoint, readable without run.py:
-#   params.npz   the int8 parameters, one array per name in PARAM_NAMES (numpy's own format)
-#   states.npz   the carried hidden states (population, n_layer, n_embd) int8
+#   params.npz    the int8 parameters, one array per name in PARAM_NAMES (numpy's own format)
+#   states.npz    the carried hidden states (population, n_layer, n_embd) int8
 #   optimizer.npz the update rule's int16 state, one array per 'SLOT/NAME' (not for --optimizer ztest)
-#   meta.json    generation, validation score, format version, every flag of the run, and the
-#                settings that decide its training (compared on resume)
-# A checkpoint is written into a hidden temporary folder and renamed into place, and the pointer
-# files LATEST and BEST are replaced by rename too: a kill at any moment leaves the previous
-# checkpoints intact and never a half-written one under a real name.
+#   meta.json     generation, validation score, format version, every flag of the run, and the
+#                 settings that decide its training (compared on resume)
+# A run of K > 1 replicas stores every array with its leading (K,) axis; a single model, a run of
+# one or the best replica of several, without it (as every checkpoint before replicas existed).
+# Folders are written under their temporary name and renamed into place, and the pointer files
+# LATEST and BEST are replaced by rename too: a kill at any moment leaves the previous checkpoints
+# intact and never a half-written one under a real name.
 
 CHECKPOINT_FORMAT = 3  # 2 adds meta["training"], 3 optimizer.npz and --optimizer's flags; all load
-# Flags that change what a generation computes. --num_epochs is not one: the alpha schedule, the
-# noise and the data position depend on the generation counter only, so a run may be extended.
-# Nor is --init_std: it decides the parameters a fresh run starts from, never a resumed one's.
-TRAINING_FLAGS = (
-    "seed",
-    "alpha",
-    "alpha_decay_timestep",
-    "alpha_floor",
-    "sigma_shift",
-    "rank",
-    "use_clt",
-    "fast_fitness",
-    "noise_reuse",
-    "num_perturbations",
-    "optimizer",
-    "momentum_shift",
-    "scale_shift",
-    "shared_pair_state",
-    "null_from_scores",
-    "adapt_threshold",
-    "adapt_noise",
-    "group_size",
-    "tokens_per_update",
-    "segments",
-    "n_layer",
-    "n_embd",
-    "mlp_relu",
-    "replicas",
-    "replica_alpha",
-    "replica_alpha_decay_timestep",
-    "replica_sigma_shift",
-    "pbt_every",
-)
-# What a checkpoint that does not record a flag was trained with: format 2 and older record none
-# of these, format 3 before --adapt_threshold, --adapt_noise, --replicas, --segments and --alpha_floor
-# existed not those
-MISSING_FLAGS = dict(
-    alpha_floor=0.0,
-    optimizer="ztest",
-    momentum_shift=2,
-    scale_shift=4,
-    shared_pair_state=False,
-    null_from_scores=False,
-    adapt_threshold=False,
-    adapt_noise=False,
-    mlp_relu=True,
-    replicas=1,
-    segments=1,
-    replica_alpha=[],
-    replica_alpha_decay_timestep=[],
-    replica_sigma_shift=[],
-    pbt_every=0,
-)
+
+
+def default_run_name(args: Args) -> str:
+    data = Path(args.data).name or "data"
+    name = (
+        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
+        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
+    )
+    name += "-upstream" * (args.algorithm == "upstream")
+    return f"{name}-{args.tag}" if args.tag else name
+
+
+def save_dir_of(args: Args) -> Path:
+    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
+    return Path(
+        args.save_dir or Path(args.runs_dir) / (args.run_name or default_run_name(args)) / "checkpoints"
+    )
 
 
 def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> str:
@@ -1713,25 +1790,53 @@ def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> s
 
 
 def training_identity(args: Args, cfg: Config, train_bytes: np.ndarray) -> dict:
-    """Everything besides the generation counter that decides how a run trains: the training flags,
-    the total population (members per device x devices: the device count alone changes nothing)
-    and the training bytes."""
-    identity = {name: getattr(args, name) for name in TRAINING_FLAGS}
+    """Everything besides the generation counter that decides how a run trains: the flags whose
+    Facts say so, the total population (members per device x devices: the device count alone
+    changes nothing) and the training bytes. --num_epochs is not one: the alpha schedule, the noise
+    and the data position depend on the generation counter only, so a run may be extended."""
+    identity = {name: getattr(args, name) for name, facts in flag_facts().items() if facts.training}
     identity = {k: list(v) if isinstance(v, tuple) else v for k, v in identity.items()}  # as JSON has them
     return {**identity, "population": cfg.population, "data": data_fingerprint(train_bytes)}
 
 
+def acts(settings: dict, name: str) -> bool:
+    """Whether a flag acts in these settings (Facts.acts_if: e.g. --momentum_shift only under
+    --optimizer momentum or adam)."""
+    condition = flag_facts()[name].acts_if if name in flag_facts() else None
+    return condition is None or settings.get(condition[0]) in condition[1]
+
+
+def checkpoint_settings(meta: dict) -> dict:
+    """What a checkpoint was trained with: its record, and for each flag it does not record (it
+    predates the flag) the flag's Facts.before. A format 1 checkpoint has only its flags."""
+    recorded = meta.get("training") or meta.get("args", {})
+    before = {name: facts.before for name, facts in flag_facts().items() if facts.before is not None}
+    before = {k: list(v) if isinstance(v, tuple) else v for k, v in before.items()}  # as JSON has them
+    return {**before, **recorded}
+
+
 def training_changes(meta: dict, identity: dict) -> dict[str, tuple]:
-    """{setting: (the checkpoint's value, this run's)} for every setting that differs. A format 1
-    checkpoint has only its flags to compare."""
-    old = meta.get("training") or {k: v for k, v in meta.get("args", {}).items() if k in TRAINING_FLAGS}
-    old = {**MISSING_FLAGS, **old}
-    return {k: (old[k], v) for k, v in identity.items() if k in old and old[k] != v}
+    """{setting: (the checkpoint's value, this run's)} for every setting that differs and acts in
+    both (where a flag acts in one only, the flag deciding that differs, and is listed)."""
+    old = checkpoint_settings(meta)
+    both = [k for k in identity if k in old and acts(old, k) and acts(identity, k)]
+    return {k: (old[k], identity[k]) for k in both if old[k] != identity[k]}
 
 
 def describe_changes(changes: dict[str, tuple]) -> str:
     names = {"population": "population", "data": "training data"}
     return ", ".join(f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items())
+
+
+def check_not_removed(meta: dict, folder: Path) -> None:
+    """Refuse a checkpoint trained with a flag egg-jax no longer has (REMOVED_FLAGS) switched on."""
+    old = checkpoint_settings(meta)
+    for name, off in REMOVED_FLAGS.items():
+        if old.get(name, off) != off:
+            raise UserError(
+                f"--resume: {folder} was trained with --{name}, which egg-jax no longer has; continue it "
+                "with the code of commit b7524ed, or start a new run"
+            )
 
 
 class UnreadableCheckpoint(UserError):
@@ -1742,35 +1847,35 @@ class UnreadableCheckpoint(UserError):
         self.folder, self.reason = folder, reason
 
 
-def save_checkpoint(folder: Path, params, states, meta: dict, opt: dict | None = None) -> None:
+def save_checkpoint(folder: Path, params, opt, states, meta: dict) -> None:
     """Write a checkpoint folder atomically (nothing happens if it already exists)."""
     if folder.exists():
         return
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    tmp = temporary(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = [("params.npz", params), ("states.npz", {"states": states})] + [("optimizer.npz", opt)] * bool(
-        opt
-    )
-    for name, arrays in files:
-        with atomic_file(tmp / name) as f:
-            np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
+    files = {"params.npz": params, "states.npz": {"states": states}, "optimizer.npz": opt}
+    for name, arrays in files.items():
+        if arrays:  # no optimizer.npz for --optimizer ztest
+            with atomic_file(tmp / name) as f:
+                np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
     write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     os.replace(tmp, folder)
 
 
 def remove_checkpoint(folder: Path) -> None:
     """Delete a checkpoint folder without ever leaving part of one under a real name: renamed to
-    its hidden temporary name first (which the next start removes, should a kill cut this short)."""
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    its temporary name first (which the next start removes, should a kill cut this short)."""
+    tmp = temporary(folder)
     os.replace(folder, tmp)
     shutil.rmtree(tmp)
 
 
 def load_checkpoint(folder: Path, cfg: Config):
     """(params, states or None, opt or None, meta) of a checkpoint folder, checked against this
-    run's model. States come back as None when the population layout differs (they cannot carry
-    over), opt as None when the checkpoint holds no state of this run's --optimizer."""
+    run's model, every array with the replica axis. States come back as None when the population
+    layout differs (they cannot carry over), opt as None when the checkpoint holds no state of this
+    run's --optimizer."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
         with np.load(folder / "params.npz") as f:
@@ -1783,10 +1888,10 @@ def load_checkpoint(folder: Path, cfg: Config):
                 opt = {k: f[k] for k in f.files}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise UnreadableCheckpoint(folder, type(error).__name__) from None
-    lead = (cfg.replicas,) * (cfg.replicas > 1)  # replicas are stacked on a leading axis
-    want = {k: lead + full_shape(k, cfg) for k in PARAM_NAMES}
-    got = {k: v.shape for k, v in params.items()}
-    if got != want or any(v.dtype != np.int8 for v in params.values()):
+    stored = (cfg.replicas,) if cfg.replicas > 1 else ()  # the leading axis a file of this run has
+    if {k: v.shape for k, v in params.items()} != {
+        k: stored + full_shape(k, cfg) for k in PARAM_NAMES
+    } or any(v.dtype != np.int8 for v in params.values()):
         model = meta.get("args", {})
         held, mine = 1 if "replica" in meta else model.get("replicas", 1), cfg.replicas  # best-*: one
         raise UserError(
@@ -1795,14 +1900,14 @@ def load_checkpoint(folder: Path, cfg: Config):
             f"{f'{mine} replicas of ' if mine > 1 else ''}{cfg.n_embd}D-{cfg.n_layer}L: pass the same "
             f"--n_embd and --n_layer{' and --replicas' if held != mine else ''}, or another checkpoint"
         )
-    if states.shape != lead + (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
+    if states.shape != stored + (cfg.population, cfg.n_layer, cfg.n_embd) or states.dtype != np.int8:
         states = None
-    want = {
-        f"{slot}/{k}": lead + state_shape(slot, k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES
-    }
-    opt = {k: v for k, v in opt.items() if k in want}  # e.g. --adapt_noise's multipliers, now off
+    want = {f"{slot}/{k}": stored + full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
+    opt = {k: v for k, v in opt.items() if k in want}  # e.g. adam's v, resumed as momentum
     if {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
         opt = None
+    if not stored:  # a single model's file: give it the run's replica axis of 1
+        params, states, opt = jax.tree.map(lambda x: x[None], (params, states, opt))
     return params, states, opt, meta
 
 
@@ -1863,258 +1968,65 @@ def process_alive(pid: int) -> bool:
 
 class Checkpointer:
     """Saves every --save_every generations, keeps the last --keep_checkpoints plus the best by
-    validation bits/byte, and points LATEST and BEST at them."""
+    validation bits/byte, and points LATEST and BEST at them. Only the writer (process 0) touches
+    the disk; every process takes part in copying the arrays to the host."""
 
     def __init__(self, save_dir: Path, args: Args, training: dict | None = None, writer: bool = True):
-        self.dir, self.args, self.writer = save_dir, args, writer  # only the writer touches the disk
+        self.dir, self.args, self.writer = save_dir, args, writer
         self.training = training  # training_identity of the run, compared on resume
         self.best = math.inf
 
     def check_writable(self) -> None:
         """Fail early on an unwritable save_dir; remove what a killed save left half-written."""
         writable_folder(self.dir, "checkpoints to --save_dir")
-        for tmp in self.dir.glob(".*.tmp*"):
-            pid = tmp.name.rsplit(".tmp", 1)[1]
-            if pid.isdigit() and not process_alive(int(pid)):
-                if tmp.is_dir():
-                    shutil.rmtree(tmp)
-                else:
-                    tmp.unlink()
+        for path in self.dir.glob(".*"):
+            pid = leftover_of(path)
+            if pid is not None and not process_alive(pid):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
-    def meta(self, generation: int, val_bpb: float) -> dict:
-        args = dataclasses.asdict(self.args)
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "generation": generation,
-            "val_bits_per_byte": val_bpb,
-            "best_val_bits_per_byte": self.best,
-            "args": args,
-            "training": self.training,
-        }
-
-    def save(self, generation: int, params, opt, states, val_bpb: float, extra: dict | None = None) -> Path:
-        folder = self.dir / f"gen-{generation:08d}"
-        if not self.writer:
-            return folder
-        save_checkpoint(folder, params, states, {**self.meta(generation, val_bpb), **(extra or {})}, opt)
-        write_atomic(self.dir / "LATEST", folder.name.encode())
-        for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
-            remove_checkpoint(old)
+    def write(
+        self, name: str, arrays: tuple, generation: int, val_bpb: float, extra: dict, pointer: str
+    ) -> Path:
+        """Save (params, opt, states) as the folder `name` and point `pointer` (LATEST, BEST) at it."""
+        folder = self.dir / name
+        if self.writer:
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "generation": generation,
+                "val_bits_per_byte": val_bpb,
+                "best_val_bits_per_byte": self.best,
+                "args": dataclasses.asdict(self.args),
+                "training": self.training,
+                **extra,
+            }
+            save_checkpoint(folder, *arrays, meta)
+            write_atomic(self.dir / pointer, name.encode())
         return folder
 
-    def offer_best(
-        self, generation: int, params, opt, states, val_bpb: float, extra: dict | None = None
-    ) -> None:
-        """Keep this model if its validation score is the best so far (with replicas: the best
-        replica's, as a single run's checkpoint, `extra` saying which)."""
+    def save(self, generation: int, arrays: tuple, val_bpb: float, extra: dict) -> Path:
+        """A periodic checkpoint of every replica (arrays with the replica axis; one model's alone
+        is stored without it), the oldest beyond --keep_checkpoints removed."""
+        if self.args.replicas == 1:
+            arrays = jax.tree.map(lambda x: x[0], arrays)
+        folder = self.write(f"gen-{generation:08d}", arrays, generation, val_bpb, extra, "LATEST")
+        if self.writer:
+            for old in checkpoints_in(self.dir)[: -self.args.keep_checkpoints]:
+                remove_checkpoint(old)
+        return folder
+
+    def offer_best(self, generation: int, model: tuple, val_bpb: float, extra: dict) -> None:
+        """Keep one model (params, opt, states without the replica axis) if its validation score
+        is the best so far: the best replica's, as a single run's checkpoint, `extra` saying which."""
         if not val_bpb < self.best:
             return
         self.best = val_bpb
-        folder = self.dir / f"best-{val_bpb:.4f}-gen-{generation:08d}"
-        if not self.writer:
-            return
-        save_checkpoint(folder, params, states, {**self.meta(generation, val_bpb), **(extra or {})}, opt)
-        write_atomic(self.dir / "BEST", folder.name.encode())
-        for old in self.dir.glob("best-*"):
-            if old != folder and old.is_dir():
-                remove_checkpoint(old)
-
-
-# ------------------------------------------------------------------------------------------------
-# Loop
-
-
-def check_args(args: Args) -> None:
-    """Refuse a bad configuration with one clear line, naming the flag, before anything is compiled."""
-    p, g = args.parallel_generations_per_gpu, args.group_size
-    positive = (
-        "parallel_generations_per_gpu",
-        "num_epochs",
-        "tokens_per_update",
-        "n_layer",
-        "n_embd",
-        "validation_batch_size",
-        "group_size",
-        "keep_checkpoints",
-        "num_procs",
-        "replicas",
-    )
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
-    at_least_zero = (
-        "validate_every",
-        "noise_reuse",
-        "num_perturbations",
-        "validation_tokens",
-        "log_every",
-        "save_every",
-        "sample_every",
-        "max_new_bytes",
-        "temperature",
-        "seed",
-        "pbt_every",
-        "segments",
-    )
-    for name in at_least_zero:
-        if not getattr(args, name) >= 0:
-            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if p % 2:
-        raise UserError(f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}")
-    if g % 2 or p % g:
-        raise UserError(f"--group_size must be even and divide the population {p}, got {g}")
-    n = args.num_perturbations
-    if n and (n % 2 or p % n):
-        raise UserError(f"--num_perturbations must be even and divide the population {p}, got {n}")
-    if args.n_embd % 4:
-        raise UserError(f"--n_embd must be a multiple of 4, got {args.n_embd}")
-    for name in REPLICA_SETTINGS:
-        given = getattr(args, f"replica_{name}")
-        if given and len(given) != args.replicas:
-            raise UserError(
-                f"--replica_{name} has {len(given)} value(s): give one per replica "
-                f"(--replicas {args.replicas})"
-            )
-    if not 0 <= args.alpha_floor < 1:
-        raise UserError(
-            f"--alpha_floor must be in [0, 1) (a share of the parameters), got {args.alpha_floor}"
+        folder = self.write(
+            f"best-{val_bpb:.4f}-gen-{generation:08d}", model, generation, val_bpb, extra, "BEST"
         )
-    if args.pbt_every and args.replicas < 4:
-        raise UserError(
-            f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {args.replicas}"
-        )
-    for k, setting in enumerate(replica_settings(args)):
-        which = f" (replica {k})" if args.replicas > 1 else ""
-        if not setting["alpha"] > 0:
-            raise UserError(
-                "--alpha must be > 0 (a share < 1, or a schedule exponent > 1), "
-                f"got {setting['alpha']}{which}"
-            )
-        if setting["alpha_decay_timestep"] <= 0:
-            raise UserError(
-                f"--alpha_decay_timestep must be positive, got {setting['alpha_decay_timestep']}{which}"
-            )
-        if not 0 <= setting["sigma_shift"] <= largest_sigma_shift():
-            raise UserError(
-                f"--sigma_shift must be in [0, {largest_sigma_shift()}], "
-                f"got {setting['sigma_shift']}{which}: "
-                f"from {largest_sigma_shift() + 1} on every bias and gain perturbation rounds to 0 "
-                "(nothing to select)"
-            )
-    for name in ("momentum_shift", "scale_shift"):
-        if not 1 <= getattr(args, name) <= 7:
-            raise UserError(
-                f"--{name} must be in [1, 7] (its running sum is int16), got {getattr(args, name)}"
-            )
-    if not 0 <= args.rank <= 64:
-        raise UserError(f"--rank must be in [0, 64] (0: full-rank noise), got {args.rank}")
-    if not 0 <= args.init_std <= 32:
-        raise UserError(f"--init_std must be in [0, 32] (16: upstream's N(0, 1)), got {args.init_std}")
-    if not 0 < args.valid_fraction < 0.5:
-        raise UserError(f"--valid_fraction must be in (0, 0.5), got {args.valid_fraction}")
-    if not 0 <= args.min_p <= 1:
-        raise UserError(f"--min_p must be in [0, 1], got {args.min_p}")
-    if not 0 <= args.proc_id < args.num_procs:
-        raise UserError(f"--proc_id must be in [0, --num_procs), got {args.proc_id} of {args.num_procs}")
-    check_ranges(make_config(args))
-
-
-def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
-    return -float(log2_likelihood_sum) / (num_tokens * 2**LL_FRAC)
-
-
-def default_run_name(args: Args) -> str:
-    data = Path(args.data).name or "data"
-    name = (
-        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
-        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
-    )
-    name += "-upstream" * (args.algorithm == "upstream")
-    return f"{name}-{args.tag}" if args.tag else name
-
-
-def logged_before(line: str, generation: int) -> bool:
-    """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
-    while writing can leave a last line cut short)."""
-    try:
-        return line.endswith("\n") and json.loads(line)["generation"] <= generation
-    except (ValueError, KeyError):
-        return False
-
-
-class RunRecord:
-    """Where a run's metrics go: always one JSON line per logged generation in
-    <runs_dir>/<run_name>/metrics.jsonl; with --track also Weights & Biases."""
-
-    def __init__(self, args: Args, name: str, summary: dict, generation: int):
-        self.folder = Path(args.runs_dir) / name
-        self.folder.mkdir(parents=True, exist_ok=True)
-        config = dataclasses.asdict(args)
-        write_atomic(self.folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
-        path = self.folder / "metrics.jsonl"
-        if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
-            kept = [x for x in path.read_text().splitlines(True) if logged_before(x, generation)]
-            write_atomic(path, "".join(kept).encode())
-        elif path.exists():  # a new run under an old name: keep the old record aside
-            path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
-        self.lines = open(path, "a")
-        self.wandb, self.samples = None, []
-        if args.track:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=args.wandb_project,
-                entity=args.wandb_entity,
-                name=name,
-                config=config,
-                tags=[args.tag] if args.tag else None,
-            )
-            self.wandb.summary.update(summary)
-
-    def log(self, metrics: dict, generation: int) -> None:
-        self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
-        self.lines.flush()
-        if self.wandb is not None:
-            if "samples/text" in metrics:  # every sample so far, as one table
-                import wandb
-
-                self.samples.append([generation, metrics["samples/text"]])
-                metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
-            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
-            metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
-            self.wandb.log(metrics, step=generation)
-
-    def close(self) -> None:
-        self.lines.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-class StopSignal:
-    """Turns SIGTERM / SIGINT into a request to save and stop after the current generation."""
-
-    def __init__(self):
-        self.received = None
-        self.previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def save_dir_of(args: Args) -> Path:
-    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
-    return Path(
-        args.save_dir or Path(args.runs_dir) / (args.run_name or default_run_name(args)) / "checkpoints"
-    )
+        if self.writer:
+            for old in self.dir.glob("best-*"):
+                if old != folder and old.is_dir():
+                    remove_checkpoint(old)
 
 
 class Resumed(NamedTuple):
@@ -2149,321 +2061,37 @@ def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer:
             moved = f"; set aside as {aside.name}" if aside else ""
             print(f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one")
             continue
+        check_not_removed(meta, folder)
         changes = training_changes(meta, identity)
         if changes and not args.allow_changes:
             raise UserError(
                 f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
                 "give the checkpoint's values, or --allow_changes to continue with these"
             )
-        fresh = init_replicas(cfg, replica_settings(args)) if states is None or opt is None else None
+        if states is None or opt is None:
+            _, fresh_opt, fresh_states = init_run(cfg, [s["seed"] for s in replica_settings(args)])
         if states is None:
             print(
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
-            states = fresh[2]
+            states = fresh_states
         if opt is None:
             print(f"warning: {folder} holds no --optimizer {cfg.optimizer} state: it starts afresh")
-            opt = fresh[1]
+            opt = fresh_opt
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())
         best = meta.get("best_val_bits_per_byte", math.inf)
         # the checkpoint's settings, as PBT left them, unless --allow_changes accepted new ones
-        settings = None if any(k in changes for k in REPLICA_FLAGS) else meta.get("replica_settings")
+        replica_flags = ("seed", *REPLICA_SETTINGS, *(f"replica_{name}" for name in REPLICA_SETTINGS))
+        settings = None if any(k in changes for k in replica_flags) else meta.get("replica_settings")
         return Resumed(params, opt, states, meta["generation"], best, folder, changes, settings)
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None
 
 
-def init_distributed(args: Args) -> None:
-    """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
-    jax.distributed itself (SLURM with several tasks, and the other clusters it knows)."""
-    by_hand = bool(args.coord_addr) or args.num_procs > 1
-    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    if not (by_hand or slurm):
-        return
-    if jax.config.jax_platforms == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if by_hand:
-        jax.distributed.initialize(args.coord_addr, args.num_procs, args.proc_id)
-    else:
-        jax.distributed.initialize()
-
-
-def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
-    """A host array, the same on every process, as a global array with the given sharding."""
-    x = np.asarray(x)
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def on_mesh(params, opt, states, mesh):
-    """Parameters and update rule state replicated on every device, hidden states spread over the
-    population."""
-    spec = jax.sharding.PartitionSpec
-    params, opt = jax.tree.map(lambda p: global_array(p, mesh, spec()), (params, opt))
-    return params, opt, global_array(states, mesh, population_spec(states.ndim - 3))
-
-
-def host_copy(x: jax.Array) -> np.ndarray:
-    """The whole of a global array on the host (a collective if it spans processes)."""
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_shards[0].data)
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def local_copy(x: jax.Array, axis: int = 0) -> np.ndarray:
-    """This process's part of an array sharded over the population, its `axis` (no communication)."""
-    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
-    return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
-
-
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8}
-
-
-def collective_traffic(hlo: str) -> list[tuple[str, int]]:
-    """(operation, bytes each device receives) of every collective in a compiled program's HLO."""
-    found = []
-    for line in hlo.splitlines():
-        match = re.search(rf"= (\(?[^=]*?\)?) ({'|'.join(COLLECTIVE_OPS)})(-start)?\(", line)
-        if match:
-            shapes = re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))
-            if match.group(3):  # an async start returns (operand, result): count the result
-                shapes = shapes[-1:]
-            size = sum(
-                DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes
-            )
-            found.append((match.group(2), size))
-    return found
-
-
-class NoRecord:
-    """What processes other than 0 log: nothing."""
-
-    def log(self, metrics: dict, generation: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def train(args: Args) -> dict:
-    """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
-    from tqdm import tqdm
-
-    check_args(args)
-    start = time.time()
-    init_distributed(args)
-    lead = jax.process_index() == 0  # only process 0 prints, logs and writes checkpoints
-    mesh = population_mesh()
-    cfg = make_config(args, mesh.size)
-    check_ranges(cfg)
-    for setting in replica_settings(args):
-        check_z_test(replica_args(args, setting), cfg)
-    spec = jax.sharding.PartitionSpec
-    name = args.run_name or default_run_name(args)
-    save_dir = save_dir_of(args)
-    log = tqdm.write if lead else (lambda *a, **k: None)  # above the progress bar, not inside it
-    # everything that can be refused is checked before the run creates anything of its own
-    train_bytes, valid_bytes = open_data(args)
-    stream = make_stream(len(train_bytes), cfg)
-    valid_rows = validation_rows(valid_bytes, args)
-    identity = training_identity(args, cfg, train_bytes)
-    resumed = resume_from(args, save_dir, cfg, identity, writer=lead)
-    settings = replica_settings(args) if resumed is None or resumed.settings is None else resumed.settings
-    checkpointer = Checkpointer(save_dir, args, identity, writer=lead)
-    if lead:
-        checkpointer.check_writable()
-        writable_folder(Path(args.runs_dir) / name, "metrics to --runs_dir")
-    baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
-    padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
-    rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, spec(POP))
-    schedules = {}  # (alpha, alpha_decay_timestep): (alpha, thresholds) per generation
-
-    def schedule(setting: dict) -> tuple[np.ndarray, np.ndarray]:
-        key = (setting["alpha"], setting["alpha_decay_timestep"])
-        if key not in schedules:
-            alone = replica_args(args, setting)
-            schedules[key] = alpha_schedule(alone), z_thresholds(alone, cfg)
-        return schedules[key]
-
-    def thresholds(generation: int) -> np.ndarray:
-        """(2,) for a single run, (replicas, 2) with replicas: each replica's own."""
-        return replica_thresholds([schedule(s)[1][generation] for s in settings], cfg)
-
-    if resumed is None:
-        params, opt, states = init_replicas(cfg, settings)
-        first = 0
-    else:
-        params, opt, states, first, checkpointer.best, folder, changes, _ = resumed
-        log(f"resuming from {folder} at generation {first}")
-        if changes:
-            log(f"continuing with changed settings (--allow_changes): {describe_changes(changes)}")
-        if first >= args.num_epochs:
-            log(f"nothing to do: the checkpoint is at generation {first}, --num_epochs is {args.num_epochs}")
-            return {"params": params}
-    params, opt, states = on_mesh(params, opt, states, mesh)
-    batch = global_array(batch_at(train_bytes, stream, cfg, first), mesh, spec())
-    tick = time.time()
-    lowered = make_generation_step(cfg, mesh).lower(
-        params, opt, states, batch, np.int32(first), thresholds(first), *replica_inputs(cfg, settings)
-    )
-    step = lowered.compile()  # ahead of time: the program's memory and collectives are known up front
-    traffic = sum(size for _, size in collective_traffic(step.as_text()))
-    temporaries = getattr(step.memory_analysis(), "temp_size_in_bytes", 0)
-    evaluate = make_evaluate(cfg, mesh)
-    num_params = num_parameters(cfg)
-    replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
-    split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
-    log(
-        f"egg-jax {name}: {replicas}{num_params:,} int8 parameters, population {cfg.population} on "
-        f"{mesh.size} {jax.devices()[0].platform} device(s){split} in {jax.process_count()} process(es), "
-        f"{cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an update), "
-        f"{len(train_bytes):,} training bytes, {valid_rows.size:,} validation bytes"
-    )
-    log(
-        f"generation step compiled in {time.time() - tick:.1f} s: {traffic:,} bytes of cross-device "
-        f"traffic per generation and device, {temporaries / 2**20:,.1f} MiB of temporaries"
-    )
-    log(f"baselines on the validation bytes, in bits/byte: {describe_baselines(baselines)}")
-    summary = {f"baseline/{k}": v for k, v in baselines.items()}
-    record = RunRecord(args, name, summary, first) if lead else NoRecord()
-    if resumed is not None and resumed.changes:
-        record.log({"resume/changed": describe_changes(resumed.changes)}, first)
-
-    def validate(params) -> list[float]:
-        """Noise-free validation bits/byte of each replica."""
-        ll = host_copy(evaluate(params, rows)).reshape(cfg.replicas, -1)[:, : len(valid_rows)]
-        tokens = valid_rows.shape[0] * (valid_rows.shape[1] - 1)
-        return [bits_per_byte(np.sum(x, dtype=np.int64), tokens) for x in ll]
-
-    def snapshot(replica: int | None = None):
-        """Host copies of the parameters, update rule state and hidden states (every process takes
-        part): of every replica, or of one."""
-        arrays = *jax.tree.map(host_copy, (params, opt)), host_copy(states)
-        return arrays if replica is None else replica_of(arrays, replica, cfg)
-
-    diagnose_every = args.log_every or (10 if args.debug else 0)
-    probe, probe_rows = make_probe(cfg), valid_rows[:16, :65]  # compiled on first use only
-
-    metrics, val_bpb, train_seconds, timed = {}, float("nan"), 0.0, 0
-    scores, leader = [math.nan] * cfg.replicas, 0  # each replica's last validation, the best replica
-    tokens_per_generation = cfg.population * cfg.tokens * cfg.replicas
-    generations = range(first, args.num_epochs)
-    bar = tqdm(generations, initial=first, total=args.num_epochs, dynamic_ncols=True, disable=not lead)
-    with StopSignal() as stop:
-        for generation in bar:
-            tick = time.time()
-            if generation > first:
-                batch = global_array(batch_at(train_bytes, stream, cfg, generation), mesh, spec())
-            diagnose = diagnose_every and (generation + 1) % diagnose_every == 0
-            before = jax.tree.map(host_copy, params) if diagnose else None  # the step donates params
-            params, opt, states, fitness, moved = step(
-                params,
-                opt,
-                states,
-                batch,
-                np.int32(generation),
-                thresholds(generation),
-                *replica_inputs(cfg, settings),
-            )
-            # process 0's members: logging only
-            fitness = local_copy(fitness, int(cfg.replicas > 1)).astype(np.int64).reshape(cfg.replicas, -1)
-            moved = np.sum(host_copy(moved).reshape(cfg.replicas, -1), axis=1, dtype=np.int64)
-            seconds = time.time() - tick
-            if generation == first:
-                log(f"first generation done {time.time() - start:.1f} s after start")
-            else:
-                train_seconds, timed = train_seconds + seconds, timed + 1
-            done = generation + 1
-            each = [
-                {
-                    "train/bits_per_byte": bits_per_byte(f.mean(), cfg.tokens),
-                    "train/best_bits_per_byte": bits_per_byte(f.max(), cfg.tokens),
-                    "train/worst_bits_per_byte": bits_per_byte(f.min(), cfg.tokens),
-                    "train/moved_fraction": int(m) / num_params,
-                    "train/alpha": float(schedule(setting)[0][generation]),
-                }
-                for f, m, setting in zip(fitness, moved, settings, strict=True)
-            ]
-            metrics = replica_metrics(each, settings)
-            metrics.update({"perf/tokens_per_s": tokens_per_generation / seconds, "perf/seconds": seconds})
-            last = done == args.num_epochs
-            pbt = args.pbt_every and done % args.pbt_every == 0
-            if last or pbt or (args.validate_every and done % args.validate_every == 0):
-                scores = validate(params)
-                if cfg.adapt_noise:  # read at validation only: no host copies on the other generations
-                    metrics.update(replica_metrics(noise_scale_ranges(opt, cfg), settings, summary=False))
-                leader = min(range(cfg.replicas), key=lambda k: (scores[k], k))
-                val_bpb = scores[leader]
-                metrics.update(replica_metrics([{"val/bits_per_byte": v} for v in scores], settings))
-                metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
-                spread = describe_spread(scores)
-                log(
-                    f"generation {done}: validation {val_bpb:.2f} bits/byte{spread} "
-                    f"({describe_baselines(baselines)})"
-                )
-                if val_bpb < checkpointer.best:
-                    alone = (
-                        {"replica": leader, "replica_setting": settings[leader]} if cfg.replicas > 1 else {}
-                    )
-                    checkpointer.offer_best(done, *snapshot(leader), val_bpb, alone)
-                if pbt:
-                    source, settings, lineage = pbt_step(scores, settings, args.seed, done)
-                    params, opt, states = copy_replicas((params, opt, states), source)
-                    metrics["pbt/lineage"] = lineage
-                    log(f"generation {done}: population-based training: {describe_lineage(lineage)}")
-            if diagnose:
-                each = []
-                for k in range(cfg.replicas):
-                    mine = replica_of(params, k, cfg)
-                    seen = jax.tree.map(host_copy, probe(mine, probe_rows))
-                    each.append(diagnostics(seen, jax.tree.map(host_copy, mine), replica_of(before, k, cfg)))
-                    if args.debug:
-                        who = f" replica {k}" if cfg.replicas > 1 else ""
-                        log(f"generation {done}{who} diagnostics:\n{diagnostics_table(each[-1])}")
-                metrics.update(replica_metrics(each, settings, summary=False))
-            if args.sample_every and done % args.sample_every == 0:
-                text = printable(sample_text(replica_of(params, leader, cfg), cfg, args, args.seed + done))
-                metrics["samples/text"] = text
-                log(f"generation {done} sample: {args.prompt}{text}")
-            record.log(metrics, done)
-            stopping = stop_requested(stop)
-            if last or stopping or (args.save_every and done % args.save_every == 0):
-                folder = checkpointer.save(done, *snapshot(), val_bpb, replica_meta(settings, scores, leader))
-                if stopping:  # every process says so: they all stop after the same generation
-                    who = f"process {jax.process_index()}"
-                    tqdm.write(f"{who} stopped by signal after generation {done}: saved {folder}")
-                    break
-            bar.set_postfix(
-                train=f"{metrics['train/bits_per_byte']:.3f}",
-                val=f"{val_bpb:.3f}"
-                + (
-                    f" (replica {leader}, median {statistics.median(scores):.3f})" if cfg.replicas > 1 else ""
-                ),
-                tok_s=f"{metrics['perf/tokens_per_s']:,.0f}",
-            )
-    bar.close()
-    record.close()
-    if timed:
-        rate = tokens_per_generation * timed / train_seconds
-        log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
-    if stop.received == signal.SIGINT:
-        raise SystemExit(130)
-    if not stop.received:
-        best = f" (replica {leader} of {cfg.replicas}, {settings_text(settings[leader])})"
-        best += describe_spread(scores)
-        log(
-            f"validation bits/byte {val_bpb:.4f} after {args.num_epochs} generations"
-            + best * (cfg.replicas > 1)
-        )
-    metrics["params"] = jax.tree.map(host_copy, params)
-    return metrics
-
+# ------------------------------------------------------------------------------------------------
+# Replicas and population-based training. Each replica's settings are a dict (seed, alpha,
+# alpha_decay_timestep, sigma_shift); its arrays are index k of the replica axis.
 
 # Population-based training: explore moves each copied setting one step, by one of these factors
 # (alpha > 1, a schedule: its excess over 1; alpha <= 1, a fixed share: itself, at most 1) or by
@@ -2478,7 +2106,10 @@ def explore(setting: dict, rng: np.random.Generator) -> dict:
     f_alpha, f_decay = rng.choice(PBT_FACTORS, 2)
     alpha = setting["alpha"]
     alpha = min(alpha * f_alpha, 1.0) if alpha <= 1 else 1 + (alpha - 1) * f_alpha
-    sigma_shift = int(np.clip(setting["sigma_shift"] + rng.choice(SIGMA_STEPS), 0, largest_sigma_shift()))
+    sigma_facts = flag_facts()["sigma_shift"]
+    sigma_shift = int(
+        np.clip(setting["sigma_shift"] + rng.choice(SIGMA_STEPS), sigma_facts.low, sigma_facts.high)
+    )
     decay = max(1, round(setting["alpha_decay_timestep"] * f_decay))
     return {
         **setting,
@@ -2548,16 +2179,6 @@ def replica_metrics(each: list[dict], settings: list[dict], summary: bool = True
     return out
 
 
-def noise_scale_ranges(opt: dict, cfg: Config) -> list[dict]:
-    """--adapt_noise: the smallest and largest noise multiplier over the groups, of each replica
-    (one host copy per tensor's multipliers, all replicas at once)."""
-    scales = [host_copy(v).reshape(cfg.replicas, -1) for k, v in opt.items() if k.startswith("noise/")]
-    scales = np.concatenate(scales, axis=1) / 2**NOISE_SCALE_FRAC
-    return [
-        {"train/noise_scale_min": float(x.min()), "train/noise_scale_max": float(x.max())} for x in scales
-    ]
-
-
 def replica_meta(settings: list[dict], scores: list[float], leader: int) -> dict:
     """What a checkpoint records of the replicas besides their arrays (nothing for a single run)."""
     if len(settings) == 1:
@@ -2565,20 +2186,31 @@ def replica_meta(settings: list[dict], scores: list[float], leader: int) -> dict
     return {"replica_settings": settings, "replica_val_bits_per_byte": scores, "best_replica": leader}
 
 
-def replica_of(tree, k: int, cfg: Config):
-    """Replica k's arrays (a single run's are its own)."""
-    return tree if cfg.replicas == 1 else jax.tree.map(lambda x: x[k], tree)
+def replica_of(tree, k: int):
+    """Replica k's arrays: one model's, without the replica axis."""
+    return jax.tree.map(lambda x: x[k], tree)
 
 
-def stop_requested(stop: StopSignal) -> bool:
-    """Whether any process received a stop signal: all processes must stop at the same generation
-    (a one-byte gather per generation, only in multi-process runs)."""
-    if jax.process_count() == 1:
-        return stop.received is not None
-    from jax.experimental import multihost_utils
+@cache
+def schedule(args: Args, cfg: Config, alpha: float, decay_timestep: int) -> tuple[np.ndarray, np.ndarray]:
+    """(share allowed to move, thresholds) at every generation of --num_epochs for a replica with
+    this alpha and decay timestep (computed once per pair: PBT moves them)."""
+    alone = single_run(args, alpha=alpha, alpha_decay_timestep=decay_timestep)
+    return alpha_schedule(alone), z_thresholds(alone, cfg)
 
-    flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
-    return bool(np.max(flags))
+
+def replica_inputs(args: Args, cfg: Config, settings: list[dict], generation: int) -> tuple:
+    """The step's per-replica arguments at a generation: thresholds (K, 2), seeds (K,) and
+    sigma_shifts (K,), int32."""
+    thresholds = [schedule(args, cfg, s["alpha"], s["alpha_decay_timestep"])[1][generation] for s in settings]
+    seeds, sigma_shifts = (
+        np.array([s[name] for s in settings], np.int32) for name in ("seed", "sigma_shift")
+    )
+    return np.stack(thresholds), seeds, sigma_shifts
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: text from one model's noise-free integer logits.
 
 
 def sampling_probabilities(logits, generated, temperature: float, min_p: float, penalty: float):
@@ -2599,7 +2231,7 @@ def make_sampler(cfg: Config):
     tables = make_tables(cfg.rank)
 
     def step(params, h, byte):
-        return token_logits(params, None, 1, h, byte, cfg, tables)[:2]
+        return token_logits(params, None, 1, 0, h, byte, cfg, tables)[:2]
 
     return jax.jit(step)
 
@@ -2638,24 +2270,24 @@ def sample(args: Args) -> str:
         raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
     replicas = 1 if "replica" in meta else model.get("replicas", 1)  # a best-* folder holds one
     model_args = single_run(
-        args,
-        n_embd=model["n_embd"],
-        n_layer=model["n_layer"],
-        mlp_relu=model.get("mlp_relu", True),
-        replicas=replicas,
+        args, n_embd=model["n_embd"], n_layer=model["n_layer"], mlp_relu=model.get("mlp_relu", True)
     )
-    cfg = make_config(model_args)
+    cfg = make_config(dataclasses.replace(model_args, replicas=replicas))
     params = load_checkpoint(folder, cfg)[0]
+    chosen = 0
     if replicas > 1:
         chosen = meta.get("best_replica", 0) if args.sample_replica < 0 else args.sample_replica
         if chosen >= replicas:
             raise UserError(f"--sample_replica {chosen}: {folder} holds replicas 0 to {replicas - 1}")
-        params = replica_of(params, chosen, cfg)
-        cfg = cfg._replace(replicas=1)
         print(f"replica {chosen} of {replicas} ({settings_text(meta['replica_settings'][chosen])})")
-    text = args.prompt + printable(sample_text(jax.tree.map(jnp.asarray, params), cfg, args, args.seed))
+    model = jax.tree.map(jnp.asarray, replica_of(params, chosen))
+    text = args.prompt + printable(sample_text(model, make_config(model_args), args, args.seed))
     print(text)
     return text
+
+
+# ------------------------------------------------------------------------------------------------
+# Diagnostics: the int8 activations' and parameters' health (--log_every, --debug).
 
 
 def make_probe(cfg: Config):
@@ -2665,7 +2297,7 @@ def make_probe(cfg: Config):
 
     def probe(params, rows):
         def step(h, tok):
-            _, h, seen = token_logits(params, None, 1, h, tok, cfg, tables, collect=True)
+            _, h, seen = token_logits(params, None, 1, 0, h, tok, cfg, tables, collect=True)
             return h, seen
 
         def row(tokens):
@@ -2737,6 +2369,388 @@ def diagnostics_table(values: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------
+# Loop: a run is opened (every refusal before it creates anything), compiled ahead of time, then
+# trained generation by generation, validating, exploiting (PBT), diagnosing, sampling, logging and
+# saving on the generations the flags say.
+
+
+def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
+    return -float(log2_likelihood_sum) / (num_tokens * 2**LL_FRAC)
+
+
+def logged_before(line: str, generation: int) -> bool:
+    """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
+    while writing can leave a last line cut short)."""
+    try:
+        return line.endswith("\n") and json.loads(line)["generation"] <= generation
+    except (ValueError, KeyError):
+        return False
+
+
+class RunRecord:
+    """Where a run's metrics go: always one JSON line per logged generation in
+    <runs_dir>/<run_name>/metrics.jsonl; with --track also Weights & Biases. Only the writer
+    (process 0) records; the other processes' record is a no-op."""
+
+    def __init__(self, args: Args, name: str, summary: dict, generation: int, writer: bool = True):
+        self.lines, self.wandb, self.samples = None, None, []
+        if not writer:
+            return
+        folder = Path(args.runs_dir) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.asdict(args)
+        write_atomic(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
+        path = folder / "metrics.jsonl"
+        if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
+            kept = [x for x in path.read_text().splitlines(True) if logged_before(x, generation)]
+            write_atomic(path, "".join(kept).encode())
+        elif path.exists():  # a new run under an old name: keep the old record aside
+            path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
+        self.lines = open(path, "a")
+        if args.track:
+            import wandb
+
+            tags = [args.tag] if args.tag else None
+            self.wandb = wandb.init(
+                project=args.wandb_project, entity=args.wandb_entity, name=name, config=config, tags=tags
+            )
+            self.wandb.summary.update(summary)
+
+    def log(self, metrics: dict, generation: int) -> None:
+        if self.lines is None:
+            return
+        self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
+        self.lines.flush()
+        if self.wandb is not None:
+            if "samples/text" in metrics:  # every sample so far, as one table
+                import wandb
+
+                self.samples.append([generation, metrics["samples/text"]])
+                metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
+            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
+            metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
+            self.wandb.log(metrics, step=generation)
+
+    def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class StopSignal:
+    """Turns SIGTERM / SIGINT into a request to save and stop after the current generation."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_requested(stop: StopSignal) -> bool:
+    """Whether any process received a stop signal: all processes must stop at the same generation
+    (a one-byte gather per generation, only in multi-process runs)."""
+    if jax.process_count() == 1:
+        return stop.received is not None
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
+    return bool(np.max(flags))
+
+
+class Run(NamedTuple):
+    """What a training run sets up before its first generation."""
+
+    args: Args  # as used (the CPU split settled)
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    name: str
+    writer: bool  # process 0: it alone prints, logs and writes checkpoints
+    train_bytes: np.ndarray
+    stream: Stream
+    valid_rows: np.ndarray  # (rows, L) uint8
+    rows: jax.Array  # the same, padded to an even share per device, spread over the devices
+    baselines: dict[str, float]
+    checkpointer: Checkpointer
+    resumed: Resumed | None
+
+
+def open_run(args: Args) -> Run:
+    """Check, join the other processes, read the data, find the checkpoint to resume: everything
+    that can be refused is, before the run creates anything of its own."""
+    check_args(args)
+    init_distributed(args)
+    mesh = population_mesh()
+    if mesh.devices.flat[0].platform != "cpu":  # JAX chose an accelerator: the CPU split does not apply
+        args = dataclasses.replace(args, cpu_devices=1)
+    cfg = make_config(args, mesh.size)
+    check_ranges(cfg)
+    check_z_test(args, cfg)
+    writer = jax.process_index() == 0
+    name = args.run_name or default_run_name(args)
+    save_dir = save_dir_of(args)
+    train_bytes, valid_bytes = open_data(args)
+    stream = make_stream(len(train_bytes), cfg)
+    valid_rows = validation_rows(valid_bytes, args)
+    identity = training_identity(args, cfg, train_bytes)
+    resumed = resume_from(args, save_dir, cfg, identity, writer)
+    checkpointer = Checkpointer(save_dir, args, identity, writer)
+    if writer:
+        checkpointer.check_writable()
+        writable_folder(Path(args.runs_dir) / name, "metrics to --runs_dir")
+    baselines = cached_baselines(train_bytes, valid_rows, args.dir_path)
+    padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
+    rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, jax.sharding.PartitionSpec(POP))
+    return Run(
+        args, cfg, mesh, name, writer, train_bytes, stream, valid_rows, rows, baselines, checkpointer, resumed
+    )
+
+
+class Progress(NamedTuple):
+    """What changes as a run trains, besides the generation."""
+
+    carry: tuple  # (params, opt, states) on the mesh, each with the replica axis
+    settings: list[dict]  # each replica's (PBT moves them)
+    scores: list[float]  # each replica's last validation bits/byte
+    leader: int  # the best replica by that validation
+
+
+def starting_point(run: Run, log) -> tuple[Progress, int]:
+    """The run's starting arrays on the mesh and generation: a fresh start, or the checkpoint's."""
+    resumed, cfg = run.resumed, run.cfg
+    settings = replica_settings(run.args) if resumed is None or resumed.settings is None else resumed.settings
+    if resumed is None:
+        carry, start = init_run(cfg, [s["seed"] for s in settings]), 0
+    else:
+        carry, start = (resumed.params, resumed.opt, resumed.states), resumed.generation
+        run.checkpointer.best = resumed.best
+        log(f"resuming from {resumed.folder} at generation {start}")
+        if resumed.changes:
+            log(f"continuing with changed settings (--allow_changes): {describe_changes(resumed.changes)}")
+    progress = Progress(on_mesh(*carry, run.mesh), settings, [math.nan] * cfg.replicas, 0)
+    return progress, start
+
+
+def batch_on_mesh(run: Run, generation: int) -> jax.Array:
+    return global_array(batch_at(run.train_bytes, run.stream, run.cfg, generation), run.mesh, REPLICATED)
+
+
+def announce(run: Run, compiled: Compiled, log) -> None:
+    """The run's first lines: the model, the devices, the data, the compiled step, the baselines."""
+    cfg, args = run.cfg, run.args
+    replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
+    split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
+    log(
+        f"egg-jax {run.name}: {replicas}{num_parameters(cfg):,} int8 parameters, population {cfg.population} "
+        f"on {run.mesh.size} {jax.devices()[0].platform} device(s){split} in {jax.process_count()} "
+        f"process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an update), "
+        f"{len(run.train_bytes):,} training bytes, {run.valid_rows.size:,} validation bytes"
+    )
+    log(
+        f"generation step compiled in {compiled.seconds:.1f} s: {compiled.traffic:,} bytes of cross-device "
+        f"traffic per generation and device, {compiled.temporaries:,.1f} MiB of temporaries"
+    )
+    log(f"baselines on the validation bytes, in bits/byte: {describe_baselines(run.baselines)}")
+
+
+def validate(run: Run, evaluate, params) -> list[float]:
+    """Noise-free validation bits/byte of each replica."""
+    rows = run.valid_rows
+    ll = host_copy(evaluate(params, run.rows))[:, : len(rows)]
+    return [bits_per_byte(np.sum(x, dtype=np.int64), rows.shape[0] * (rows.shape[1] - 1)) for x in ll]
+
+
+def snapshot(carry: tuple) -> tuple:
+    """Host copies of (params, opt, states), every replica (every process takes part)."""
+    return jax.tree.map(host_copy, carry)
+
+
+def generation_metrics(
+    run: Run, settings: list[dict], fitness, moved, generation: int, seconds: float
+) -> dict:
+    """train/ and perf/ metrics of a generation, from the fitness of process 0's members (K,
+    members) and the moved entries (K, tensors), on the host."""
+    cfg, num_params = run.cfg, num_parameters(run.cfg)
+    fitness, moved = fitness.astype(np.int64), np.sum(moved, axis=1, dtype=np.int64)
+    each = [
+        {
+            "train/bits_per_byte": bits_per_byte(f.mean(), cfg.tokens),
+            "train/best_bits_per_byte": bits_per_byte(f.max(), cfg.tokens),
+            "train/worst_bits_per_byte": bits_per_byte(f.min(), cfg.tokens),
+            "train/moved_fraction": int(m) / num_params,
+            "train/alpha": float(
+                schedule(run.args, cfg, s["alpha"], s["alpha_decay_timestep"])[0][generation]
+            ),
+        }
+        for f, m, s in zip(fitness, moved, settings, strict=True)
+    ]
+    tokens = cfg.population * cfg.tokens * cfg.replicas
+    return {**replica_metrics(each, settings), "perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}
+
+
+def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> tuple[Progress, dict]:
+    """Validate every replica, keep the best model, and with PBT due, exploit and explore."""
+    scores = validate(run, evaluate, progress.carry[0])
+    leader = min(range(len(scores)), key=lambda k: (scores[k], k))
+    settings, carry = progress.settings, progress.carry
+    metrics = replica_metrics([{"val/bits_per_byte": v} for v in scores], settings)
+    metrics.update({f"val/{k}_bits_per_byte": v for k, v in run.baselines.items()})
+    log(
+        f"generation {done}: validation {scores[leader]:.2f} bits/byte{describe_spread(scores)} "
+        f"({describe_baselines(run.baselines)})"
+    )
+    if scores[leader] < run.checkpointer.best:
+        which = {"replica": leader, "replica_setting": settings[leader]} if run.cfg.replicas > 1 else {}
+        best = replica_of(snapshot(carry), leader)
+        run.checkpointer.offer_best(done, best, scores[leader], which)
+    if run.args.pbt_every and done % run.args.pbt_every == 0:
+        source, settings, lineage = pbt_step(scores, settings, run.args.seed, done)
+        carry = copy_replicas(carry, source)
+        metrics["pbt/lineage"] = lineage
+        log(f"generation {done}: population-based training: {describe_lineage(lineage)}")
+    return Progress(carry, settings, scores, leader), metrics
+
+
+def diagnostics_phase(run: Run, probe, params, before: dict, settings: list[dict], done: int, log) -> dict:
+    """diag/ metrics of every replica (and with --debug their tables)."""
+    each = []
+    for k in range(run.cfg.replicas):
+        model = replica_of(params, k)
+        seen = jax.tree.map(host_copy, probe(model, run.valid_rows[:16, :65]))
+        each.append(diagnostics(seen, jax.tree.map(host_copy, model), replica_of(before, k)))
+        if run.args.debug:
+            who = f" replica {k}" if run.cfg.replicas > 1 else ""
+            log(f"generation {done}{who} diagnostics:\n{diagnostics_table(each[-1])}")
+    return replica_metrics(each, settings, summary=False)
+
+
+def due(every: int, done: int) -> bool:
+    return bool(every) and done % every == 0
+
+
+def train(args: Args) -> dict:
+    """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
+    from tqdm import tqdm
+
+    started = time.time()
+    run = open_run(args)
+    args, cfg = run.args, run.cfg
+    log = tqdm.write if run.writer else (lambda *a, **k: None)  # above the progress bar, not inside it
+    progress, start = starting_point(run, log)
+    if start >= args.num_epochs:
+        log(f"nothing to do: the checkpoint is at generation {start}, --num_epochs is {args.num_epochs}")
+        return {"params": jax.tree.map(host_copy, progress.carry[0])}
+    inputs = replica_inputs(args, cfg, progress.settings, start)
+    compiled = compile_generation(cfg, run.mesh, "train", progress.carry, batch_on_mesh(run, start), inputs)
+    announce(run, compiled, log)
+    summary = {f"baseline/{k}": v for k, v in run.baselines.items()}
+    record = RunRecord(args, run.name, summary, start, run.writer)
+    if run.resumed is not None and run.resumed.changes:
+        record.log({"resume/changed": describe_changes(run.resumed.changes)}, start)
+    evaluate, probe = make_evaluate(cfg, run.mesh), make_probe(cfg)  # compiled on first use
+    diagnose_every = args.log_every or (10 if args.debug else 0)
+    timed, metrics = [], {}
+    generations = range(start, args.num_epochs)
+    bar = tqdm(generations, initial=start, total=args.num_epochs, dynamic_ncols=True, disable=not run.writer)
+    with StopSignal() as stop:
+        for generation in bar:
+            done = generation + 1
+            tick = time.time()
+            before = jax.tree.map(host_copy, progress.carry[0]) if due(diagnose_every, done) else None
+            *carry, fitness, moved = compiled.step(
+                *progress.carry,
+                batch_on_mesh(run, generation),
+                np.int32(generation),
+                *replica_inputs(args, cfg, progress.settings, generation),
+            )
+            fitness, moved = (
+                local_copy(fitness, axis=1),
+                host_copy(moved),
+            )  # process 0's members: logging only
+            progress, seconds = progress._replace(carry=tuple(carry)), time.time() - tick
+            if generation == start:
+                log(f"first generation done {time.time() - started:.1f} s after start")
+            else:
+                timed.append(seconds)
+            metrics = generation_metrics(run, progress.settings, fitness, moved, generation, seconds)
+            last = done == args.num_epochs
+            if last or due(args.validate_every, done) or due(args.pbt_every, done):
+                progress, found = validation_phase(run, evaluate, progress, done, log)
+                metrics.update(found)
+            if before is not None:
+                params = progress.carry[0]
+                metrics.update(diagnostics_phase(run, probe, params, before, progress.settings, done, log))
+            if due(args.sample_every, done):
+                model = replica_of(progress.carry[0], progress.leader)
+                metrics["samples/text"] = text = printable(sample_text(model, cfg, args, args.seed + done))
+                log(f"generation {done} sample: {args.prompt}{text}")
+            record.log(metrics, done)
+            stopping = stop_requested(stop)
+            if last or stopping or due(args.save_every, done):
+                folder = save_progress(run, progress, done)
+                if stopping:  # every process says so: they all stop after the same generation
+                    who = f"process {jax.process_index()}"
+                    tqdm.write(f"{who} stopped by signal after generation {done}: saved {folder}")
+                    break
+            bar.set_postfix(progress_postfix(metrics, progress))
+    bar.close()
+    record.close()
+    return finish(run, progress, metrics, timed, stop, log)
+
+
+def save_progress(run: Run, progress: Progress, done: int) -> Path:
+    """A periodic checkpoint of every replica, with their settings and last validations."""
+    scores, leader = progress.scores, progress.leader
+    return run.checkpointer.save(
+        done, snapshot(progress.carry), scores[leader], replica_meta(progress.settings, scores, leader)
+    )
+
+
+def progress_postfix(metrics: dict, progress: Progress) -> dict:
+    """The progress bar's train and validation bits/byte and tokens/s."""
+    scores, leader = progress.scores, progress.leader
+    val = f"{scores[leader]:.3f}"
+    if len(scores) > 1:
+        val += f" (replica {leader}, median {statistics.median(scores):.3f})"
+    return dict(
+        train=f"{metrics['train/bits_per_byte']:.3f}", val=val, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}"
+    )
+
+
+def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stop: StopSignal, log) -> dict:
+    """The run's last lines; the last metrics with the parameters (every replica's) on the host."""
+    cfg = run.cfg
+    if timed:
+        rate = cfg.population * cfg.tokens * cfg.replicas * len(timed) / sum(timed)
+        log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
+    if stop.received == signal.SIGINT:
+        raise SystemExit(130)
+    scores, leader = progress.scores, progress.leader
+    if not stop.received:
+        which = ""
+        if cfg.replicas > 1:
+            which = f" (replica {leader} of {cfg.replicas}, {settings_text(progress.settings[leader])})"
+            which += describe_spread(scores)
+        log(f"validation bits/byte {scores[leader]:.4f} after {run.args.num_epochs} generations{which}")
+    return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
+
+
+# ------------------------------------------------------------------------------------------------
+# Benchmark: generations of each kind timed side by side on random bytes, one table.
+
+
 def peak_rss() -> float:
     """This process's peak resident set size, GiB."""
     import resource
@@ -2790,145 +2804,130 @@ BENCHMARK_SECONDS = 240.0  # what --benchmark without --num_epochs aims to take,
 FULL_RANK_PROBES = (16, 64)
 
 
-def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
-    """Time generations of each kind on random bytes and print one table: (a) training, (b)
-    fitness only, (c) noise-free inference of the same members and tokens, (d) naive full-rank ES
-    (--rank 0) on the same model. Each is compiled and run once first; then a, b and c take turns,
-    one generation each, so that a slow spell of the machine hits them alike, and d runs alone.
-    Without `budget`: --num_epochs timed generations of every kind. With `budget` (seconds; main
-    gives BENCHMARK_SECONDS when --num_epochs is not on the command line): as many as fit, at least
-    3, and d only if its cost, extrapolated from two short runs (FULL_RANK_PROBES), fits; what is shortened
-    or skipped is printed with the reason. Peak memory is read after each kind's first generation,
-    and the compiled program's temporaries beside it. Returns the tokens/s of each kind timed."""
-    check_args(args)
-    start = time.time()
-    mesh = population_mesh()
-    spec = jax.sharding.PartitionSpec
-    rng = np.random.default_rng(args.seed)
-    bare = bare_jax_rss()
-    notes = []
+@dataclass
+class Kind:
+    """One kind of generation --benchmark times: its compiled step and what it measured."""
 
-    def prepare(label: str, kind_args: Args, part: str, check_room: bool = False) -> dict | None:
-        """Compile one kind ahead of time and run its first generation. With `check_room`: None (and
-        a note) where, on the CPU, its temporaries on every device would not fit in what the host
-        has left (full-rank ES at the default model: every device builds all of its noise)."""
-        cfg = make_config(kind_args, mesh.size)
-        settings = replica_settings(kind_args)
-        params, opt, states = on_mesh(*init_replicas(cfg, settings), mesh)
-        batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
-        kind = dict(label=label, cfg=cfg, batch=global_array(batch, mesh, spec()), seconds=[])
-        one = [replica_args(dataclasses.replace(kind_args, num_epochs=1), s) for s in settings]
-        kind["thresholds"] = replica_thresholds([z_thresholds(a, cfg)[0] for a in one], cfg)
-        kind["inputs"] = (kind["thresholds"], *replica_inputs(cfg, settings))
-        tick = time.time()
-        lowered = make_generation_step(cfg, mesh, part).lower(
-            params, opt, states, kind["batch"], np.int32(0), *kind["inputs"]
-        )
-        kind["step"] = lowered.compile()
-        kind["compile"] = time.time() - tick
-        kind["temporaries"] = getattr(kind["step"].memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-        need = kind["temporaries"] * 2**20 * len(mesh.local_devices)
-        if check_room and mesh.devices.flat[0].platform == "cpu" and need > (left := host_memory_left()):
-            notes.append(
-                f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on this "
-                f"process's {len(mesh.local_devices)} device(s), more than the {left / 2**30:.1f} GiB free"
-            )
-            return None
-        kind["carry"] = (params, opt, states)
-        kind["first"] = time_generation(kind, 0)
-        kind["seconds"].clear()
-        kind["memory"] = peak_memory()[0]
-        return kind
+    label: str  # "a training", ...: its letter names it in the ratios
+    cfg: Config
+    compiled: Compiled
+    batch: jax.Array
+    inputs: tuple  # the step's per-replica arguments
+    carry: tuple  # (params, opt, states), donated and returned by every generation
+    seconds: list[float]  # the timed generations'
+    first: float = 0.0  # seconds of its first generation, after compiling
+    memory: float = 0.0  # peak memory after its first generation, GiB
 
-    def time_generation(kind: dict, generation: int) -> float:
-        tick = time.time()
-        *kind["carry"], _, _ = jax.block_until_ready(
-            kind["step"](*kind["carry"], kind["batch"], np.int32(generation), *kind["inputs"])
-        )
-        kind["seconds"].append(time.time() - tick)
-        return kind["seconds"][-1]
 
-    kinds = [
-        prepare("a training", args, "train"),
-        prepare("b fitness only", args, "fitness"),
-        prepare("c inference", args, "inference"),
-    ]
-    if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
-        members = args.parallel_generations_per_gpu * args.replicas
-        whole = single_run(args, parallel_generations_per_gpu=members)
-        kinds.append(prepare(f"e one run of {make_config(whole, mesh.size).population}", whole, "train"))
-    full_rank = dataclasses.replace(args, rank=0)
-    cfg = kinds[0]["cfg"]
-    rounds, full_rank_rounds = args.num_epochs, args.num_epochs
-    if budget is not None:
-        probed = {}  # population: seconds per generation
-        unit = 2 * max(args.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
-        probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
-        for members in sorted(probes):
-            probe_args = dataclasses.replace(
-                full_rank, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0
-            )
-            probe = prepare("probe", probe_args, "train")
-            probed[probe["cfg"].population] = time_generation(probe, 1)
-            del probe  # its buffers
-        (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
-        growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
-        estimate = t_large * (cfg.population / large) ** growth * cfg.replicas
-        left = budget - (time.time() - start)
-        per_round = sum(kind["first"] for kind in kinds)
-        # d gets at most half of what is left, for its first generation and the timed ones
-        full_rank_rounds = min(args.num_epochs, int(left / 2 / estimate) - 1)
-        if full_rank_rounds < 1:
-            notes.append(
-                f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured at "
-                f"population {' and '.join(map(str, probed))}, extrapolated to {cfg.population}); it needs "
-                f"a first and a timed one, more than half of the {left:.0f} s left; give --num_epochs to "
-                "run it"
-            )
-        left -= max(full_rank_rounds + 1, 0) * estimate
-        rounds = max(3, min(args.num_epochs, int(left / per_round)))
+def prepare_kind(
+    label: str, kind_args: Args, part: str, mesh, rng, notes: list, check_room=False
+) -> Kind | None:
+    """Compile one kind ahead of time and run its first generation. With `check_room`: None (and a
+    note) where, on the CPU, its temporaries on every device would not fit in what the host has
+    left (full-rank ES at the default model: every device builds all of its noise)."""
+    cfg = make_config(kind_args, mesh.size)
+    settings = replica_settings(kind_args)
+    carry = on_mesh(*init_run(cfg, [s["seed"] for s in settings]), mesh)
+    batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
+    batch = global_array(batch, mesh, REPLICATED)
+    inputs = replica_inputs(dataclasses.replace(kind_args, num_epochs=1), cfg, settings, 0)
+    compiled = compile_generation(cfg, mesh, part, carry, batch, inputs)
+    need = compiled.temporaries * 2**20 * len(mesh.local_devices)
+    if check_room and mesh.devices.flat[0].platform == "cpu" and need > (left := host_memory_left()):
         notes.append(
-            f"no --num_epochs: timed {rounds} generation(s) of {', '.join(k['label'][0] for k in kinds)}"
-            + (f" and {full_rank_rounds} of d" if full_rank_rounds >= 1 else "")
-            + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
+            f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on this "
+            f"process's {len(mesh.local_devices)} device(s), more than the {left / 2**30:.1f} GiB free"
         )
-    if full_rank_rounds >= 1:
-        full = prepare("d full-rank ES", full_rank, "train", check_room=True)
-        kinds += [full] if full else []
-    # full-rank ES runs last and alone: its large buffers, allocated and freed, slow whatever follows
-    turns = [kind for kind in kinds if not kind["label"].startswith("d")]
-    for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
-        for generation in range(1, 1 + count):
-            for kind in group:
-                time_generation(kind, generation)
-    rate = {}
-    device = jax.devices()[0]
-    memory_kind = peak_memory()[1]
+        return None
+    kind = Kind(label, cfg, compiled, batch, inputs, carry, [])
+    kind.first = time_generation(kind, 0)
+    kind.seconds.clear()
+    kind.memory = peak_memory()[0]
+    return kind
+
+
+def time_generation(kind: Kind, generation: int) -> float:
+    tick = time.time()
+    *carry, _, _ = jax.block_until_ready(
+        kind.compiled.step(*kind.carry, kind.batch, np.int32(generation), *kind.inputs)
+    )
+    kind.carry = tuple(carry)
+    kind.seconds.append(time.time() - tick)
+    return kind.seconds[-1]
+
+
+def plan_rounds(
+    args: Args, kinds: list[Kind], mesh, rng, budget: float, left: float, notes: list
+) -> tuple[int, int]:
+    """(timed generations of a, b, c (and e), of d) that fit in `left` of `budget` seconds: d's cost
+    estimated from two short full-rank runs (FULL_RANK_PROBES), d given at most half of the time."""
+    full_rank = dataclasses.replace(args, rank=0)
+    probed = {}  # population: seconds per generation
+    unit = 2 * max(args.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
+    probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
+    tick = time.time()
+    for members in sorted(probes):
+        probe_args = dataclasses.replace(
+            full_rank, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0
+        )
+        probe = prepare_kind("probe", probe_args, "train", mesh, rng, notes)
+        probed[probe.cfg.population] = time_generation(probe, 1)
+        del probe  # its buffers
+    (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
+    growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
+    cfg = kinds[0].cfg
+    estimate = t_large * (cfg.population / large) ** growth * cfg.replicas
+    left -= time.time() - tick
+    full_rank_rounds = min(args.num_epochs, int(left / 2 / estimate) - 1)
+    if full_rank_rounds < 1:
+        notes.append(
+            f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured at "
+            f"population {' and '.join(map(str, probed))}, extrapolated to {cfg.population}); it needs "
+            f"a first and a timed one, more than half of the {left:.0f} s left; give --num_epochs to "
+            "run it"
+        )
+    left -= max(full_rank_rounds + 1, 0) * estimate
+    rounds = max(3, min(args.num_epochs, int(left / sum(kind.first for kind in kinds))))
+    notes.append(
+        f"no --num_epochs: timed {rounds} generation(s) of {', '.join(k.label[0] for k in kinds)}"
+        + (f" and {full_rank_rounds} of d" if full_rank_rounds >= 1 else "")
+        + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
+    )
+    return rounds, full_rank_rounds
+
+
+def print_benchmark(
+    args: Args, kinds: list[Kind], rounds: int, bare: float, notes: list, mesh
+) -> dict[str, float]:
+    """The table, the ratios and the notes; returns the tokens/s of each kind timed, by letter."""
+    device, memory_kind = jax.devices()[0], peak_memory()[1]
+    cfg = kinds[0].cfg
     model = f"model {args.n_embd}D-{args.n_layer}L ({num_parameters(cfg):,} parameters)"
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
     members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
-    timed = f"median of {rounds} generations each ({', '.join(k['label'][0] for k in turns)} taking turns)"
+    turns = [k.label[0] for k in kinds if not k.label.startswith("d")]
+    timed = f"median of {rounds} generations each ({', '.join(turns)} taking turns)"
     split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
-    device = f"{mesh.size} x {device.platform} ({device.device_kind}){split}"
-    print(f"device: {device}; {model}; {members}; {timed}")
+    print(
+        f"device: {mesh.size} x {device.platform} ({device.device_kind}){split}; {model}; {members}; {timed}"
+    )
     memory_header = f"peak {memory_kind} GiB"
     print(
         f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18} {'temp MiB':>9}"
     )
+    rate = {}
     for kind in kinds:
-        seconds = float(np.median(kind["seconds"]))
-        members = kind["cfg"].population * kind["cfg"].replicas
-        rate[kind["label"][0]] = members * kind["cfg"].tokens / seconds
+        seconds = float(np.median(kind.seconds))
+        rate[kind.label[0]] = kind.cfg.population * kind.cfg.replicas * kind.cfg.tokens / seconds
         print(
-            f"{kind['label']:18} {rate[kind['label'][0]]:12,.0f} {seconds:13.4f} {kind['compile']:10.1f} "
-            f"{kind['memory']:18.2f} {kind['temporaries']:9,.1f}"
+            f"{kind.label:18} {rate[kind.label[0]]:12,.0f} {seconds:13.4f} {kind.compiled.seconds:10.1f} "
+            f"{kind.memory:18.2f} {kind.compiled.temporaries:9,.1f}"
         )
-    share = 1 - rate["a"] / rate["b"]
     versus = f"low-rank / full-rank ES (a/d): {rate['a'] / rate['d']:.1f}x; " if "d" in rate else ""
     print(
         f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; {versus}update share of a generation: "
-        f"{share:.1%}; peak {memory_kind} of training {kinds[0]['memory']:.2f} GiB (memory column: the "
-        "process's peak so far; temp: the compiled program's own temporaries)"
+        f"{1 - rate['a'] / rate['b']:.1%}; peak {memory_kind} of training {kinds[0].memory:.2f} GiB (memory "
+        "column: the process's peak so far; temp: the compiled program's own temporaries)"
     )
     print(
         f"peak RSS: this process {peak_rss():.2f} GiB, a bare JAX process on this machine (import, one "
@@ -2944,57 +2943,76 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     return rate
 
 
-# --algorithm upstream: upstream's values of every flag whose default here differs from upstream's
-UPSTREAM_ALGORITHM = dict(
-    alpha_floor=0.0,
-    sigma_shift=4,
-    segments=1,
-    optimizer="ztest",
-    fast_fitness=True,
-    null_from_scores=False,
-    shared_pair_state=False,
-    init_std=16,
-)
+def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
+    """Time generations of each kind on random bytes and print one table: (a) training, (b)
+    fitness only, (c) noise-free inference of the same members and tokens, (d) naive full-rank ES
+    (--rank 0) on the same model, and with replicas (e) one run of as many members. Each is compiled
+    and run once first; then a, b, c (and e) take turns, one generation each, so that a slow spell
+    of the machine hits them alike, and d runs alone, last (its large buffers, allocated and freed,
+    slow whatever follows). Without `budget`: --num_epochs timed generations of every kind. With
+    `budget` (seconds; main gives BENCHMARK_SECONDS when --num_epochs is not on the command line):
+    as many as fit, at least 3, and d only if its cost fits (plan_rounds); what is shortened or
+    skipped is printed with the reason. Peak memory is read after each kind's first generation,
+    and the compiled program's temporaries beside it. Returns the tokens/s of each kind timed."""
+    check_args(args)
+    started = time.time()
+    mesh = population_mesh()
+    rng = np.random.default_rng(args.seed)
+    bare = bare_jax_rss()
+    notes = []
+    kinds = [
+        prepare_kind("a training", args, "train", mesh, rng, notes),
+        prepare_kind("b fitness only", args, "fitness", mesh, rng, notes),
+        prepare_kind("c inference", args, "inference", mesh, rng, notes),
+    ]
+    if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
+        whole = single_run(
+            args, parallel_generations_per_gpu=args.parallel_generations_per_gpu * args.replicas
+        )
+        kinds.append(
+            prepare_kind(
+                f"e one run of {make_config(whole, mesh.size).population}", whole, "train", mesh, rng, notes
+            )
+        )
+    rounds, full_rank_rounds = args.num_epochs, args.num_epochs
+    if budget is not None:
+        left = budget - (time.time() - started)
+        rounds, full_rank_rounds = plan_rounds(args, kinds, mesh, rng, budget, left, notes)
+    turns = list(kinds)
+    if full_rank_rounds >= 1:
+        full = prepare_kind(
+            "d full-rank ES", dataclasses.replace(args, rank=0), "train", mesh, rng, notes, check_room=True
+        )
+        kinds += [full] if full else []
+    for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
+        for generation in range(1, 1 + count):
+            for kind in group:
+                time_generation(kind, generation)
+    return print_benchmark(args, kinds, rounds, bare, notes, mesh)
 
 
-def flag_given(argv: list[str], name: str) -> bool:
-    """Whether --name (spelt with underscores or dashes, with or without =value) is in argv."""
-    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
-    return any(word.partition("=")[0] in spellings for word in argv)
+# ------------------------------------------------------------------------------------------------
+# Main: the platform, the CPU split and the compilation cache, set before JAX starts; then train,
+# benchmark or sample.
 
 
-def parse_args(argv: list[str]) -> Args:
-    """Args from the command line. Besides tyro's --flag / --no-flag, booleans also accept
-    --flag=True|False and --flag True|False: the forms W&B sweep agents pass with ${args}."""
-    booleans = {f.name for f in dataclasses.fields(Args) if f.type in ("bool", bool)}
-    out, i = [], 0
-    while i < len(argv):
-        word = argv[i]
-        name, equals, value = word[2:].partition("=")
-        if word.startswith("--") and name.replace("-", "_") in booleans:
-            if not equals and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
-                equals, value = "=", argv[i + 1]
-                i += 1
-            if equals:
-                if value.lower() not in ("true", "false"):
-                    raise UserError(f"--{name} takes True or False, got {value!r}")
-                word = f"--{name}" if value.lower() == "true" else f"--no-{name}"
-        out.append(word)
-        i += 1
-    args = tyro.cli(Args, args=out, use_underscores=True)  # --help spells flags as upstream does
-    if args.algorithm == "upstream":
-        given = {
-            k for k in UPSTREAM_ALGORITHM if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))
-        }
-        args = dataclasses.replace(args, **{k: v for k, v in UPSTREAM_ALGORITHM.items() if k not in given})
-    return args
+class QuietPluginErrors(logging.Filter):
+    """Drops JAX's traceback of an accelerator plugin that cannot start on this machine (jax[cuda12]
+    on a machine with no NVIDIA GPU logs ~10 lines of it, then uses the CPU): JAX's own choice of
+    platform stands, without the noise. Kept where an NVIDIA device is present: there it tells why
+    the GPU is not used."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        plugin_error = record.getMessage().startswith("Jax plugin configuration error")
+        return not plugin_error or Path("/dev/nvidiactl").exists()
 
 
-def select_platform() -> None:
-    """Use the CPU without probing for CUDA when this machine has no NVIDIA device: jax[cuda12]
-    would otherwise print a traceback on every run before falling back to the CPU itself."""
-    if "JAX_PLATFORMS" not in os.environ and not Path("/dev/nvidiactl").exists():
-        jax.config.update("jax_platforms", "cpu")
+def select_platform(platform: str) -> None:
+    """--platform if given (else JAX_PLATFORMS, else JAX's choice: its accelerator, the CPU when
+    none is visible)."""
+    if platform:
+        jax.config.update("jax_platforms", platform)
+    logging.getLogger("jax._src.xla_bridge").addFilter(QuietPluginErrors())
 
 
 def cpu_share_fits(args: Args, shards: int) -> bool:
@@ -3007,21 +3025,20 @@ def cpu_share_fits(args: Args, shards: int) -> bool:
 
 
 def split_cpu(args: Args) -> Args:
-    """Args with --cpu_devices as used (1: not split), the host split into that many JAX devices
-    before JAX starts. XLA spreads each product of a single CPU device over the cores, which for
-    this model's small int8 products costs more than it gains (README, "Benchmark": 64D-2L,
-    population 256 on a 2-core Intel Xeon trains about twice as fast as 2 devices of 128 members).
-    Not split: off the CPU; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count; in a
-    multi-process run unless --cpu_devices is given (every process must split alike); with
-    --rank 0 unless given (every device builds the whole full-rank noise of the update: memory
-    times the devices). Once JAX runs (main() called again in one process) its CPU devices stay
-    as the first call split them."""
+    """Args with --cpu_devices as used (1: not split), the host's CPU split into that many JAX
+    devices before JAX starts (should JAX choose an accelerator, the run sets it back to 1). XLA
+    spreads each product of a single CPU device over the cores, which for this model's small int8
+    products costs more than it gains (docs/results.md, "Benchmark"). Not split: on another
+    --platform; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count; in a multi-process run
+    unless --cpu_devices is given (every process must split alike); with --rank 0 unless given
+    (every device builds the whole full-rank noise of the update: memory times the devices). Once
+    JAX runs (main() called again in one process) its CPU devices stay as the first call split them."""
     given, p, g = args.cpu_devices, args.parallel_generations_per_gpu, args.group_size
+    check_range("cpu_devices", given)
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     forced = forced or "JAX_NUM_CPU_DEVICES" in os.environ
-    if given < 0:
-        raise UserError(f"--cpu_devices must be >= 0 (0: one per core), got {given}")
-    if jax.config.jax_platforms != "cpu" or forced:
+    elsewhere = (args.platform or os.environ.get("JAX_PLATFORMS") or "cpu") != "cpu"
+    if elsewhere or forced:
         if given > 1:
             where = "XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count" if forced else "not on the CPU"
             raise UserError(f"--cpu_devices {given}: {where}; leave --cpu_devices out")
@@ -3038,7 +3055,7 @@ def split_cpu(args: Args) -> Args:
     try:
         jax.config.update("jax_num_cpu_devices", shards)
     except RuntimeError:  # JAX already runs in this process
-        running = jax.local_device_count()
+        running = len(jax.devices("cpu"))
         if given and given != running:
             raise UserError(f"--cpu_devices {given}: JAX already runs on {running} CPU device(s)") from None
         shards = running
@@ -3054,10 +3071,11 @@ def enable_compilation_cache(dir_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    select_platform()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = split_cpu(parse_args(argv))
+        args = parse_args(argv)
+        select_platform(args.platform)
+        args = split_cpu(args)
         enable_compilation_cache(args.dir_path)
         if args.benchmark:
             benchmark(args, None if flag_given(argv, "num_epochs") else BENCHMARK_SECONDS)

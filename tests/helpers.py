@@ -1,11 +1,18 @@
-"""What several test files share: running the command line (in a new process or in this one) and
-its one-line errors."""
+"""What several test files share: the tiny run's configuration, running the command line (in a new
+process or in this one), its one-line errors, and calling run.py's replica-axis functions for a
+single model."""
 
+import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
+
+import jax
+import numpy as np
 
 import run
 
@@ -58,3 +65,54 @@ def in_process(capsys, *flags) -> Result:
         code = exit.code
     out, err = capsys.readouterr()
     return Result(code, out, err)
+
+
+# The tiny run every end-to-end test trains: 8D-2L, population 16 in groups of 4, 8 bytes a member,
+# validated on 8 rows of 16 bytes, a fixed share alpha 0.2. The pinned hashes of test_replicas.py
+# are this run's.
+TINY = (
+    f"--data stdlib --dir_path {CACHE} --n_embd 8 --n_layer 2 --parallel_generations_per_gpu 16 "
+    "--group_size 4 --tokens_per_update 8 --validation_batch_size 8 --validation_tokens 16 --alpha 0.2"
+).split()
+
+
+def tiny_args(*flags, **changes) -> run.Args:
+    """The tiny run's Args (TINY), with more flags and changed fields, for the tests that call
+    run.py's functions directly."""
+    return dataclasses.replace(run.parse_args([*TINY, *flags]), **changes)
+
+
+def upstream_args(**changes) -> run.Args:
+    """Args of upstream's algorithm (--algorithm upstream) with these fields: the Z-test's tests."""
+    return dataclasses.replace(run.parse_args(["--algorithm", "upstream"]), **changes)
+
+
+def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: int, cfg):
+    """run.population_fitness of a single model (no replica axis in or out): (fitness (M,), states)."""
+    add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
+    fitness, states = run.population_fitness(
+        add(params), add(noise), add(states), inputs, targets, np.array([sigma_shift], np.int32), cfg
+    )
+    return np.asarray(fitness)[0], np.asarray(states)[0]
+
+
+def one_model_step(step, carry, batch, generation: int, thresholds, seed: int, sigma_shift: int):
+    """A compiled step (run.make_generation_step) of a single model: carry (params, opt, states)
+    without the replica axis in and out; (params, opt, states, fitness, moved) as numpy."""
+    add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
+    inputs = (np.asarray(thresholds)[None], np.array([seed], np.int32), np.array([sigma_shift], np.int32))
+    out = step(*add(carry), batch, np.int32(generation), *inputs)
+    return jax.tree.map(lambda x: np.asarray(x)[0], out)
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """SHA-256 (first 16 hex digits) of a checkpoint's parameters, hidden states and update rule
+    state, each file's arrays in sorted order, their dtypes checked."""
+    h = hashlib.sha256()
+    for name, dtype in (("params.npz", np.int8), ("states.npz", np.int8), ("optimizer.npz", np.int16)):
+        if (folder / name).exists():
+            with np.load(folder / name) as f:
+                for key in sorted(f.files):
+                    assert f[key].dtype == dtype, (name, key)
+                    h.update(f[key].tobytes())
+    return h.hexdigest()[:16]

@@ -12,32 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import CACHE, ROOT, cli, in_process, one_line_error
+from helpers import ROOT, TINY, checkpoint_digest, cli, in_process, one_line_error, one_model_step
 
 import run
-
-TINY = [
-    "--data",
-    "stdlib",
-    "--dir_path",
-    CACHE,
-    "--n_embd",
-    "8",
-    "--n_layer",
-    "2",
-    "--parallel_generations_per_gpu",
-    "16",
-    "--group_size",
-    "4",
-    "--tokens_per_update",
-    "8",
-    "--validation_batch_size",
-    "8",
-    "--validation_tokens",
-    "16",
-    "--alpha",
-    "0.2",
-]
 
 
 def start(*flags, runs):
@@ -147,8 +124,8 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
 def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path):
     """--num_epochs 6, then --num_epochs 12 --resume auto: bit-identical to --num_epochs 12,
     with an alpha schedule that is still decaying (T = 4) and noise and data at every generation,
-    and --adapt_noise's multipliers carried in the update rule's state."""
-    schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6", "--adapt_noise"]
+    and the update rule's running sums carried over."""
+    schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6"]
     code, _, err = finish(start(*schedule, "--num_epochs", "12", runs=tmp_path / "a"))
     assert code == 0, err[-2000:]
     code, _, err = finish(start(*schedule, "--num_epochs", "6", runs=tmp_path / "b"))
@@ -158,10 +135,7 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
     final = [checkpoint_dir(tmp_path / x) / "gen-00000012" for x in "ab"]
     print("12 at once", params_hash(final[0]), "6 then extended to 12", params_hash(final[1]))
     assert params_hash(final[0]) == params_hash(final[1])
-    with np.load(final[0] / "states.npz") as a, np.load(final[1] / "states.npz") as b:
-        np.testing.assert_array_equal(a["states"], b["states"])
-    last = json.loads(next((tmp_path / "a").glob("*/metrics.jsonl")).read_text().splitlines()[-1])
-    assert 0.5 <= last["train/noise_scale_min"] < last["train/noise_scale_max"] <= 2  # they spread out
+    assert checkpoint_digest(final[0]) == checkpoint_digest(final[1])  # states and running sums too
 
 
 def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsys):
@@ -181,22 +155,18 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
         (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
         (["--fast_fitness", "--noise_reuse", "2"], "--fast_fitness False -> True, --noise_reuse 1 -> 2"),
-        (["--num_perturbations", "8", "--segments", "2"], "--num_perturbations 0 -> 8, --segments 0 -> 2"),
+        (["--num_perturbations", "8", "--segments", "2"], "--segments 0 -> 2, --num_perturbations 0 -> 8"),
         (
             ["--optimizer", "adam", "--momentum_shift", "3", "--scale_shift", "5"],
-            "--optimizer momentum -> adam, --momentum_shift 2 -> 3, --scale_shift 4 -> 5",
+            # --scale_shift acts under adam only: not the checkpoint's rule, so the rule's change says it
+            "--optimizer momentum -> adam, --momentum_shift 2 -> 3",
         ),
         (
-            [
-                "--no-shared_pair_state",
-                "--mlp_relu",
-                "--no-null_from_scores",
-                "--adapt_threshold",
-                "--adapt_noise",
-            ],
-            "--shared_pair_state True -> False, --null_from_scores True -> False, "
-            "--adapt_threshold False -> True, --adapt_noise False -> True, --mlp_relu False -> True",
+            ["--no-shared_pair_state", "--mlp_relu"],
+            "--shared_pair_state True -> False, --mlp_relu False -> True",
         ),
+        # --null_from_scores acts under ztest only, not the checkpoint's rule: the rule's change says it
+        (["--optimizer", "ztest", "--null_from_scores"], "--optimizer momentum -> ztest"),
     ):
         result = in_process(capsys, *base, *flags)
         one_line_error(result, f"gen-00000004 was trained with other settings: {listed}")
@@ -207,7 +177,8 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
     written = meta_path.read_text()
     meta = json.loads(written)
-    meta["training"] = {k: v for k, v in meta["training"].items() if k not in run.MISSING_FLAGS}
+    newer = {name for name, facts in run.flag_facts().items() if facts.before is not None}
+    meta["training"] = {k: v for k, v in meta["training"].items() if k not in newer}
     meta_path.write_text(json.dumps({**meta, "format": 2}))
     # momentum: the default; a checkpoint of then had one segment
     as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu", "--segments", "1"]
@@ -220,12 +191,15 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
     assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
-    result = in_process(capsys, *base, "--alpha", "0.3", "--allow_changes")
+    # a flag that does not act under the checkpoint's rule, nor this run's, is no change
+    result = in_process(capsys, *base, "--null_from_scores", "--momentum_shift", "2")
+    assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
+    result = in_process(capsys, *base, "--alpha", "0.3", "--allow_changes", "--num_epochs", "7")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "continuing with changed settings (--allow_changes): --alpha 0.2 -> 0.3" in result.stdout
     lines = [json.loads(x) for x in next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()]
-    assert {"generation": 5, "resume/changed": "--alpha 0.2 -> 0.3"} in lines
-    meta = json.loads((checkpoint_dir(tmp_path) / "gen-00000006" / "meta.json").read_text())
+    assert {"generation": 6, "resume/changed": "--alpha 0.2 -> 0.3"} in lines
+    meta = json.loads((checkpoint_dir(tmp_path) / "gen-00000007" / "meta.json").read_text())
     assert meta["training"]["alpha"] == 0.3 and meta["training"]["population"] == 16
 
 
@@ -266,14 +240,11 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     train_bytes, _ = run.open_data(args)
     batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
     params = run.load_checkpoint(folder / "gen-00000004", run.make_config(run.parse_args(TINY)))[0]
+    params = {k: v[0] for k, v in params.items()}  # the replica axis of one
     step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
-    params, opt, states, _, _ = step(
-        params,
-        run.init_optimizer(cfg),
-        run.initial_states(cfg),
-        batch,
-        np.int32(4),
-        run.z_thresholds(args, cfg)[4],
+    states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
+    params, opt, states, _, _ = one_model_step(
+        step, (params, run.init_optimizer(cfg), states), batch, 4, run.z_thresholds(args, cfg)[4], 0, 3
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
         for name in run.PARAM_NAMES:
@@ -308,15 +279,22 @@ def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code)
     assert meta["args"]["n_embd"] == 8 and meta["format"] == run.CHECKPOINT_FORMAT
 
 
-def tiny_cfg():
-    return run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
+def tiny_model():
+    """(cfg, params, opt, states) of one fresh tiny model, momentum's sums moved off zero."""
+    cfg = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
+    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
+    opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_optimizer(cfg))
+    return cfg, params, opt, np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
+
+
+def with_axis(*trees):
+    """The arrays of one model with the replica axis of a run of one."""
+    return jax.tree.map(lambda x: x[None], trees)
 
 
 def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
-    cfg = tiny_cfg()
-    params, states = run.init_params(cfg), run.initial_states(cfg)
-    opt = jax.tree.map(lambda x: x + 3, run.init_optimizer(cfg))  # momentum's running sums
-    run.save_checkpoint(tmp_path / "c", params, states, {"generation": 5}, opt)
+    cfg, params, opt, states = tiny_model()
+    run.save_checkpoint(tmp_path / "c", params, opt, states, {"generation": 5})
     with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
         assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
@@ -324,32 +302,44 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     loaded, loaded_states, loaded_opt, _ = run.load_checkpoint(tmp_path / "c", cfg)
     with np.load(tmp_path / "c" / "optimizer.npz") as f:
         assert sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES) and f["m/Wf"].dtype == np.int16
-    for key, value in opt.items():
-        np.testing.assert_array_equal(loaded_opt[key], value)
+    # a single model's file comes back with the run's replica axis of 1
+    for got, want in ((loaded, params), (loaded_opt, opt), ({"s": loaded_states}, {"s": states})):
+        for key, value in want.items():
+            np.testing.assert_array_equal(got[key], value[None], err_msg=key)
     ztest = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest"))
     assert run.load_checkpoint(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
     adam = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam"))
     assert run.load_checkpoint(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
-    noisy = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, adapt_noise=True))
-    assert run.load_checkpoint(tmp_path / "c", noisy)[2] is None  # no multipliers: the state starts afresh
-    start = jax.tree.map(lambda x: x + 1, run.init_optimizer(noisy))
-    assert sorted(start) == sorted(opt) + sorted(f"noise/{k}" for k in run.PARAM_NAMES)
-    run.save_checkpoint(tmp_path / "n", params, states, {"generation": 5}, start)
-    for key, value in run.load_checkpoint(tmp_path / "n", noisy)[2].items():
-        np.testing.assert_array_equal(value, start[key], err_msg=key)
-        assert value.shape == run.state_shape(key.split("/")[0], key.split("/")[1], noisy)
-    kept = run.load_checkpoint(tmp_path / "n", cfg)[2]  # the flag turned off: momentum's sums are kept
-    assert sorted(kept) == sorted(opt) and all(np.array_equal(kept[k], start[k]) for k in kept)
-    np.testing.assert_array_equal(loaded_states, states)
     other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
     assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states
 
 
+OLD = ROOT / "tests" / "data" / "checkpoints-b7524ed"  # gen-4 checkpoints written by commit b7524ed
+WORDS = [*TINY, "--data", str(ROOT / "tests" / "data" / "words.txt")]
+THREE = "--replicas 3 --replica_alpha 0.2 4 3 --replica_sigma_shift 3 4 5".split()
+# checkpoint_digest of WORDS (with THREE) after 6 generations, trained by the code of commit b7524ed
+AFTER_SIX = {"single": "bb84da4994d3fef0", "replicas": "d34348d250163b1f"}
+
+
+@pytest.mark.parametrize("name, flags", [("single", []), ("replicas", THREE)])
+def test_a_checkpoint_written_by_earlier_code_resumes_bit_for_bit(tmp_path, capsys, name, flags):
+    """Its generation-4 checkpoint, continued here to 6, equals that code's own 6 generations."""
+    save = ["--save_dir", str(tmp_path / "save"), "--runs_dir", str(tmp_path), "--num_epochs", "6"]
+    result = in_process(capsys, *WORDS, *flags, *save, "--resume", str(OLD / name))
+    assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
+    assert checkpoint_digest(tmp_path / "save" / "gen-00000006") == AFTER_SIX[name]
+
+
+def test_a_checkpoint_trained_with_a_removed_flag_is_refused(tmp_path, capsys):
+    result = in_process(capsys, *WORDS, "--runs_dir", str(tmp_path), "--resume", str(OLD / "adapt"))
+    one_line_error(result, "was trained with --adapt_noise, which egg-jax no longer has")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):
-    cfg = tiny_cfg()
-    params, states = run.init_params(cfg), run.initial_states(cfg)
+    _, params, _, states = tiny_model()
     saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
-    saver.save(1, params, {}, states, 9.0)
+    saver.save(1, with_axis(params, {}, states), 9.0, {})
     before = params_hash(tmp_path / "gen-00000001")
 
     def dies(*a, **k):
@@ -357,7 +347,7 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
 
     monkeypatch.setattr(np, "savez", dies)
     with pytest.raises(KeyboardInterrupt):
-        saver.save(2, params, {}, states, 9.0)
+        saver.save(2, with_axis(params, {}, states), 9.0, {})
     assert not (tmp_path / "gen-00000002").exists()
     assert (tmp_path / "LATEST").read_text() == "gen-00000001"
     assert params_hash(tmp_path / "gen-00000001") == before
@@ -365,11 +355,10 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
 
 def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path):
     """Killed after gen-6 was renamed into place but before LATEST was: resumes take gen-6."""
-    cfg = tiny_cfg()
-    params, states = run.init_params(cfg), run.initial_states(cfg)
+    _, params, _, states = tiny_model()
     saver = run.Checkpointer(tmp_path, run.Args())
-    saver.save(3, params, {}, states, 9.0)
-    run.save_checkpoint(tmp_path / "gen-00000006", params, states, {"generation": 6})
+    saver.save(3, with_axis(params, {}, states), 9.0, {})
+    run.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
     assert run.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
     assert run.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
@@ -395,12 +384,11 @@ def test_leftovers_of_a_killed_save_are_removed_at_start(tmp_path):
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path):
-    cfg = tiny_cfg()
-    params, states = run.init_params(cfg), run.initial_states(cfg)
+    _, params, _, states = tiny_model()
     saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
     for generation, score in ((1, 5.0), (2, 4.0), (3, 4.5), (4, 4.2)):
-        saver.save(generation, params, {}, states, score)
-        saver.offer_best(generation, params, {}, states, score)
+        saver.save(generation, with_axis(params, {}, states), score, {})
+        saver.offer_best(generation, (params, {}, states), score, {})
     assert sorted(p.name for p in tmp_path.glob("gen-*")) == ["gen-00000003", "gen-00000004"]
     assert [p.name for p in tmp_path.glob("best-*")] == ["best-4.0000-gen-00000002"]
     assert (tmp_path / "BEST").read_text() == "best-4.0000-gen-00000002"

@@ -1,7 +1,6 @@
 """Many devices and many processes: bit-identical parameters and validation, fitness-only traffic,
 no floating point in the sharded programs, one process's stop signal stopping them all."""
 
-import hashlib
 import json
 import os
 import signal
@@ -10,13 +9,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-from helpers import CACHE, ROOT
+from helpers import ROOT, TINY, checkpoint_digest
 
-COMMON = ["--data", "stdlib", "--dir_path", CACHE] + (
-    "--n_embd 8 --n_layer 2 --group_size 4 --tokens_per_update 8 --validation_tokens 16 --alpha 0.3 "
-    "--validation_batch_size 6"  # 6 rows: padded to 8 on 4 devices
-).split()
+# the tiny run, its population given per layout, validated on 6 rows: padded to 8 on 4 devices
+COMMON = [*TINY, "--validation_batch_size", "6"]
 # The defaults exercise the global mean |difference| (normalised fitness), --optimizer momentum's
 # replicated int16 state and --shared_pair_state; --num_perturbations 8 makes the 4 devices'
 # members share noise.
@@ -79,14 +75,9 @@ def layouts(flags, runs):
 
 
 def digest(runs, generation: int) -> str:
+    """checkpoint_digest of a run's checkpoint (with the default --optimizer momentum's sums)."""
     (final,) = runs.glob(f"*/checkpoints/gen-{generation:08d}")
-    h = hashlib.sha256()
-    for name, dtype in (("params.npz", np.int8), ("states.npz", np.int8), ("optimizer.npz", np.int16)):
-        with np.load(final / name) as f:  # optimizer.npz: the default --optimizer momentum's sums
-            for key in sorted(f.files):
-                assert f[key].dtype == dtype
-                h.update(f[key].tobytes())
-    return h.hexdigest()
+    return checkpoint_digest(final)
 
 
 def records(runs):
@@ -114,10 +105,9 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
-    """With --adapt_noise: each device scales its slice of the noise by the replicated multipliers."""
+    """Each device evaluates its slice of every pair's noise (--num_perturbations: repeated ones)."""
     flags = [
         *SHARED_NOISE,
-        "--adapt_noise",
         "--num_epochs",
         "3",
         "--validate_every",
@@ -181,11 +171,10 @@ args = run.Args(n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_siz
                 fast_fitness={fast})
 mesh = run.population_mesh()
 cfg = run.make_config(args, mesh.size)
-params = jax.eval_shape(lambda: run.init_params(cfg))
-states = jax.ShapeDtypeStruct((cfg.population, 1, 8), np.int8)
+params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, [0]))
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
-thresholds, opt = np.zeros(2, np.int32), jax.eval_shape(lambda: run.init_optimizer(cfg))
-step = run.make_generation_step(cfg, mesh).lower(params, opt, states, batch, np.int32(0), thresholds)
+inputs = run.replica_inputs(args, cfg, run.replica_settings(args), 0)
+step = run.make_generation_step(cfg, mesh).lower(params, opt, states, batch, np.int32(0), *inputs)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
 for name, hlo in programs.items():

@@ -5,6 +5,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers import fitness_of_one_model
 
 import run
 
@@ -24,7 +25,7 @@ def test_tensor_stats_match_numpy():
 
 def setup():
     cfg = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=4))
-    params = jax.tree.map(np.asarray, run.init_params(cfg))
+    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
     rows = np.random.default_rng(0).integers(1, 256, (3, 12)).astype(np.uint8)
     return cfg, params, rows
 
@@ -35,7 +36,7 @@ def test_probe_sees_the_real_activations():
     np.testing.assert_array_equal(seen["embedding"], params["emb"][rows])
     assert seen["gate"].shape == (3, 12, 2, 8) and seen["mlp_hidden"].shape == (3, 12, 2, 32)
     assert seen["logits"].shape == (3, 12, 256) and (seen["mlp_hidden"] < 0).any()  # upstream's MLP: no ReLU
-    _, h = run.population_fitness(params, None, np.zeros((2, 2, 8), np.int8), rows[:2], rows[:2], cfg)
+    _, h = fitness_of_one_model(params, None, np.zeros((2, 2, 8), np.int8), rows[:2], rows[:2], 0, cfg)
     np.testing.assert_array_equal(seen["state"][:2, -1], h)  # the states after the last byte
 
 

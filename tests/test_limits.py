@@ -67,7 +67,7 @@ def worst_case_params(cfg, target: int):
     """A model whose every prediction of byte `target` is as bad as int8 logits allow: the
     residual stream is the embedding (every block's gains zero), all +127, and the head gives
     `target` the logit -127 and every other byte +127."""
-    params = {k: np.zeros_like(v) for k, v in run.init_params(cfg).items()}
+    params = {k: np.zeros_like(v) for k, v in run.init_params(cfg, 0).items()}
     params["emb"][:], params["ln_out"][:], params["head"][:] = 127, 127, 127
     params["head"][target] = -127
     return params
@@ -85,7 +85,8 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     logits[65] = -127
     worst = int(run.log2_likelihood(jnp.asarray(logits), 65, run.make_tables(1)))
     assert -run.LL_BOUND <= worst < -254 * 16
-    fitness = np.asarray(run.make_evaluate(cfg, run.population_mesh())(params, rows))
+    with_replica_axis = {k: v[None] for k, v in params.items()}
+    fitness = np.asarray(run.make_evaluate(cfg, run.population_mesh())(with_replica_axis, rows))[0]
     print(f"{tokens:,} tokens of log2-likelihood {worst}: fitness {fitness.tolist()}")
     assert fitness.tolist() == [worst * tokens] * 2 and worst * tokens < -(2**30)
     # the pair difference, in int32, through both shapings

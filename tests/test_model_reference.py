@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+from helpers import fitness_of_one_model, one_model_step
 
 import run
 
@@ -63,9 +64,10 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
     rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift + 100 * relu)
     params = random_params(cfg, rng)
     states, tokens = window(cfg, rng, cfg.population)
-    noise = run.generation_noise(cfg, jnp.int32(5))
-    fitness, final = run.population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], cfg)
-    fitness, final = np.asarray(fitness), np.asarray(final)
+    noise = run.generation_noise(cfg, args.seed, jnp.int32(5))
+    fitness, final = fitness_of_one_model(
+        params, noise, states, tokens[:, :-1], tokens[:, 1:], sigma_shift, cfg
+    )
     for member in range(cfg.population):
         sign = 1 if member % 2 == 0 else -1  # member 2k adds pair k's noise, 2k + 1 subtracts it
         want, h, _ = reference.member_fitness(
@@ -94,7 +96,7 @@ def test_noise_free_logits_equal_the_reference_byte_by_byte():
     zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
     for row in range(3):
         _, _, logits = reference.member_fitness(
-            params, None, 1, zero, tokens[row], tokens[row], cfg.sigma_shift, cfg.mlp_relu
+            params, None, 1, zero, tokens[row], tokens[row], 0, cfg.mlp_relu
         )
         np.testing.assert_array_equal(seen["logits"][row], logits)
 
@@ -138,11 +140,11 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     tokens = np.repeat(batch, 2, axis=0)
     thresholds = run.z_thresholds(args, cfg)[7]
     step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
-    new, _, final, fitness, _ = jax.tree.map(
-        np.asarray, step(params, {}, states, batch, np.int32(7), thresholds)
+    new, _, final, fitness, _ = one_model_step(
+        step, (params, {}, states), batch, 7, thresholds, args.seed, args.sigma_shift
     )
 
-    noise = run.generation_noise(cfg, jnp.int32(7))
+    noise = run.generation_noise(cfg, args.seed, jnp.int32(7))
     pairs, ends = cfg.population // 2, [0, 2, 4, 7]
     h = states.astype(np.int64)
     seg_fitness = np.zeros((cfg.segments, cfg.population), np.int64)
@@ -159,7 +161,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
                 h[m],
                 tokens[m, :-1][part],
                 tokens[m, 1:][part],
-                cfg.sigma_shift,
+                args.sigma_shift,
                 cfg.mlp_relu,
             )
     np.testing.assert_array_equal(final, h)
@@ -178,7 +180,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
             z = np.einsum("k...mr,k...nr->...mn", operand, b)
         else:
             z = np.einsum("k...,k->...", np.asarray(noise[name]).astype(np.int64), np.array(scores))
-        step_ = np.sign(z) * (np.abs(z) > thresholds[int(name not in run.MATRICES)])
+        step_ = np.sign(z) * (np.abs(z) > thresholds[run.kind_of(name)])
         want = np.clip(params[name].astype(np.int64) + step_, -127, 127)
         np.testing.assert_array_equal(new[name], want, err_msg=name)
         moved += int(np.sum(want != params[name]))

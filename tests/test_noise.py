@@ -16,9 +16,9 @@ def cfg(**overrides):
     return run.make_config(run.Args(**args))
 
 
-def pair_noise(c, bucket, pair, segment=0):
+def pair_noise(c, bucket, pair, segment=0, seed=0):
     """One pair's noise in one segment, as generation_noise builds it for every pair."""
-    return run.words_to_noise(c, run.mix_segment(run.pair_words(c, bucket, pair), segment))
+    return run.words_to_noise(c, run.mix_segment(run.pair_words(c, seed, bucket, pair), segment))
 
 
 def flat(noise):
@@ -29,7 +29,7 @@ def test_same_counters_give_the_same_values_jitted_or_not():
     c = cfg(n_embd=8, n_layer=1)
     eager = pair_noise(c, 3, 2)
     jitted = jax.jit(lambda b, k: pair_noise(c, b, k))(3, 2)
-    batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, jnp.int32(3)))
+    batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, 0, jnp.int32(3)))
     leaves = (jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched))
     for x, y, z in zip(*leaves, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -80,8 +80,8 @@ def test_noise_reuse():
     for reuse, same, different in ((0, [(0, 999)], []), (4, [(0, 3), (4, 7)], [(3, 4)])):
         c = cfg(noise_reuse=reuse)
         for g1, g2 in same + different:
-            x = flat(run.generation_noise(c, jnp.int32(g1)))
-            y = flat(run.generation_noise(c, jnp.int32(g2)))
+            x = flat(run.generation_noise(c, 0, jnp.int32(g1)))
+            y = flat(run.generation_noise(c, 0, jnp.int32(g2)))
             assert np.array_equal(x, y) == ((g1, g2) in same)
 
 
@@ -97,13 +97,13 @@ def test_antithetic_members_get_opposite_perturbations():
 @pytest.mark.parametrize("rank", [1, 3])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, sign):
-    c = cfg(n_embd=64, rank=rank, sigma_shift=2)
+    sigma_shift = 2
     rng = np.random.default_rng(rank)
     w = rng.integers(-60, 61, (96, 64)).astype(np.int8)
     tables = run.make_tables(rank)
     a = tables.gauss[rng.integers(0, 256, (96, rank))]
     b = tables.gauss_rank[rng.integers(0, 256, (64, rank))]
-    sigma = 2.0**-c.sigma_shift
+    sigma = 2.0**-sigma_shift
     # explicit: W' = W/16 + sign sigma A B^T / 256 (real units), output = x W'^T * 16 / (16 sqrt(n))
     e = a.astype(np.float64) @ b.T.astype(np.float64) / 2**8
     w_real = w / 16 + sign * sigma * e
@@ -112,7 +112,7 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
         x = rng.integers(-127, 128, 64).astype(np.int8)
         want = x.astype(np.float64) @ w_real.T * 16 / (16 * math.sqrt(64))
         got = np.asarray(
-            run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)), sign, c.sigma_shift)
+            run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)), sign, sigma_shift)
         ).astype(np.float64)
         want_int = np.clip(np.floor(want), -127, 127)
         worst = max(worst, np.max(np.abs(got - np.clip(want, -127, 127))))
@@ -124,10 +124,10 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
 def test_init_std_scales_upstreams_normal_entries_exactly():
     """--init_std s: each matrix entry is upstream's (s = 16: the quantile table's entry itself)
     times s / 16, rounded half away from zero, in exact integers; vectors are as upstream's."""
-    upstream = jax.tree.map(np.asarray, run.init_params(cfg(init_std=16)))
+    upstream = jax.tree.map(np.asarray, run.init_params(cfg(init_std=16), 0))
     table = set(run.make_tables(1).gauss.tolist())
     for s in (0, 1, 3, 4, 32):
-        params = jax.tree.map(np.asarray, run.init_params(cfg(init_std=s)))
+        params = jax.tree.map(np.asarray, run.init_params(cfg(init_std=s), 0))
         for name, q in upstream.items():
             assert params[name].dtype == np.int8, name
             if name not in run.MATRICES:
@@ -143,28 +143,28 @@ def test_init_std_scales_upstreams_normal_entries_exactly():
 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_embedding_perturbation_equals_explicit_row(rank):
-    c = cfg(n_embd=16, rank=rank, sigma_shift=1)
+    c, sigma_shift = cfg(n_embd=16, rank=rank), 1
     nz = pair_noise(c, 0, 2)["emb"]
-    params = run.init_params(c)
+    params = run.init_params(c, 0)
     a, b = (np.asarray(x, np.float64) for x in nz)
-    explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-c.sigma_shift * (a @ b.T) / 2**8
+    explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-sigma_shift * (a @ b.T) / 2**8
     for tok in (0, 65, 255):
-        got = np.asarray(run.embed(params["emb"], tok, nz, 1, c.sigma_shift))
+        got = np.asarray(run.embed(params["emb"], tok, nz, 1, sigma_shift))
         assert np.max(np.abs(got - np.clip(explicit[tok], -127, 127))) < 1
 
 
 @pytest.mark.parametrize("sign", [1, -1])
 def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
     """--rank 0 (naive ES): a full noise matrix E, x (W + sigma E)^T computed directly."""
-    c = cfg(n_embd=64, rank=0, sigma_shift=2)
+    c, sigma_shift = cfg(n_embd=64, rank=0), 2
     rng = np.random.default_rng(7)
     w = rng.integers(-60, 61, (96, 64)).astype(np.int8)
     e = run.make_tables(0).gauss[rng.integers(0, 256, (96, 64))]
-    w_real = w / 16 + sign * 2.0**-c.sigma_shift * e / 16
+    w_real = w / 16 + sign * 2.0**-sigma_shift * e / 16
     for _ in range(20):
         x = rng.integers(-127, 128, 64).astype(np.int8)
         want = np.clip(x.astype(np.float64) @ w_real.T / math.sqrt(64), -127, 127)
-        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(e), sign, c.sigma_shift))
+        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(e), sign, sigma_shift))
         assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
     full = pair_noise(c, 0, 0)
     assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)
@@ -191,16 +191,16 @@ def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
     """The documented counter contract: byte k of pair p's stream in bucket g indexes the table of
     noise entry k (pieces in PARAM_NAMES order, A before B), the stream being threefry's 32-bit
     words of key (seed, 1, g, p) read as little-endian bytes."""
-    c = cfg(n_embd=8, n_layer=2, rank=2, seed=5)
+    c, seed = cfg(n_embd=8, n_layer=2, rank=2), 5
     bucket, pair = 3, 1
-    root = jax.random.fold_in(jax.random.key(c.seed, impl="threefry2x32"), 1)
+    root = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 1)
     key = jax.random.fold_in(jax.random.fold_in(root, bucket), pair)
     pieces = run.noise_pieces(c)
     total = sum(math.prod(shape) for _, shape, _ in pieces)
     words = np.asarray(jax.random.bits(key, (-(-total // 4),), jnp.uint32))
     stream = words.astype("<u4").view(np.uint8)
     tables = run.make_tables(c.rank)
-    noise, offset = pair_noise(c, bucket, pair), 0
+    noise, offset = pair_noise(c, bucket, pair, seed=seed), 0
     seen = {}
     for name, shape, table in pieces:
         size = math.prod(shape)
@@ -224,16 +224,16 @@ def test_segment_noise_is_segment_zeros_stream_remixed():
     """The documented contract of --segments: segment s >= 1's stream of pair k is lowbias32
     applied twice to each of segment 0's threefry words plus s x 0x9E3779B9 (mod 2**32), cut and
     looked up as segment 0's; generation_noise lays the pairs out segment-major (s D + k)."""
-    c = cfg(n_embd=8, n_layer=2, rank=2, seed=5, segments=3, tokens_per_update=9)
+    c, seed = cfg(n_embd=8, n_layer=2, rank=2, segments=3, tokens_per_update=9), 5
     bucket, pair = 3, 1
-    words = np.asarray(run.pair_words(c, bucket, pair))
-    batched = run.generation_noise(c, jnp.int32(bucket))
+    words = np.asarray(run.pair_words(c, seed, bucket, pair))
+    batched = run.generation_noise(c, seed, jnp.int32(bucket))
     for segment in range(c.segments):
         with np.errstate(over="ignore"):
             mixed = words + np.uint32(segment * 0x9E3779B9 % 2**32)
             mixed = numpy_lowbias32(numpy_lowbias32(mixed)) if segment else words
         want = run.words_to_noise(c, jnp.asarray(mixed))
-        got = pair_noise(c, bucket, pair, segment)
+        got = pair_noise(c, bucket, pair, segment, seed)
         laid_out = jax.tree.map(lambda x, s=segment: x[s * c.distinct_pairs + pair], batched)
         for x, y, z in zip(*map(jax.tree.leaves, (want, got, laid_out)), strict=True):
             np.testing.assert_array_equal(x, y)
@@ -246,7 +246,7 @@ def test_segments_noise_is_independent_and_normal_like_segment_zeros():
     distribution of two segments' bytes (their top 4 bits, 16 x 16 cells) uniform by a chi-square
     test at the 0.1% level."""
     c = cfg(n_embd=64, segments=3)
-    words = jnp.stack([run.pair_words(c, 0, k) for k in range(4)])
+    words = jnp.stack([run.pair_words(c, 0, 0, k) for k in range(4)])
     streams = [np.asarray(run.mix_segment(words, s)).ravel() for s in range(3)]
     gauss = run.make_tables(1).gauss.astype(np.float64)
     for s in (1, 2):
@@ -264,11 +264,13 @@ def test_segments_noise_is_independent_and_normal_like_segment_zeros():
 
 
 def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
-    """--sigma_shift is refused beyond the shift at which every table entry rounds to 0."""
+    """--sigma_shift's range (its Facts) ends at the shift beyond which every table entry rounds to 0:
+    a vector moves by round_shift(q, sigma_shift + NOISE_FRAC - WEIGHT_FRAC) for a noise entry q,
+    which is >= 1 while |q| >= 2**(shift - 1)."""
     table = jnp.asarray(run.make_tables(1).gauss)
     zero = jnp.zeros(table.shape, jnp.int8)
-    largest = run.largest_sigma_shift()
-    assert largest == 6  # the table's largest |entry| is 46 < 2**6
+    largest = int(np.abs(run.make_tables(1).gauss).max()).bit_length() - (run.NOISE_FRAC - run.WEIGHT_FRAC)
+    assert largest == run.flag_facts()["sigma_shift"].high == 6  # the table's largest |entry| is 46 < 2**6
     for shift, perturbed in ((largest, True), (largest + 1, False)):
         moved = np.asarray(run.vector(zero, table, 1, shift))
         assert bool(np.any(moved != 0)) is perturbed, shift

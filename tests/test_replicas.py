@@ -1,6 +1,6 @@
-"""Replicas (--replicas) and population-based training (--pbt_every): one replica is today's run
-bit for bit, each replica of several is the same settings run alone, the exploit step copies
-exactly, and a PBT run resumes and spreads over devices bit for bit."""
+"""Replicas (--replicas) and population-based training (--pbt_every): a run is one replica, its
+pinned results hold bit for bit, each replica of several is the same settings run alone, the
+exploit step copies exactly, and a PBT run resumes and spreads over devices bit for bit."""
 
 import hashlib
 import json
@@ -9,15 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CACHE, cli, in_process, one_line_error
+from helpers import TINY, cli, in_process, one_line_error
 from test_devices import launch, two_processes, wait
 
 import run
 
-TINY = (
-    f"--data stdlib --dir_path {CACHE} --n_embd 8 --n_layer 2 --parallel_generations_per_gpu 16 "
-    "--group_size 4 --tokens_per_update 8 --validation_batch_size 8 --validation_tokens 16 --alpha 0.2"
-).split()
 # three replicas: a fixed share, and two schedules with their own decay, each its own sigma_shift
 THREE = (
     "--replicas 3 --replica_alpha 0.2 4 3 --replica_alpha_decay_timestep 1000 5 3 --replica_sigma_shift 3 4 5"
@@ -50,19 +46,17 @@ def final(runs: Path, generation: int) -> Path:
     return folder
 
 
-# sha256 (first 16 hex digits) of the sorted parameters after 6 generations of TINY, and the
-# validation bits/byte, recorded with the commit before --replicas existed (7db3dcc); the first
-# re-recorded when Z's low-rank operand became int8 (weighted_shift rounds normalised scores' terms)
-BEFORE_REPLICAS = {
-    # the defaults of then (sigma_shift 4 was the default before commit 85b7e5e, init_std 16 before
-    # --init_std existed)
+# sha256 (first 16 hex digits) of the sorted parameters after 6 generations of TINY with these
+# flags, and the last validation bits/byte: the default rule (momentum, normalised scores, shared
+# pair states) with one segment, upstream's sigma_shift and start; and upstream's algorithm
+PINNED = {
     ("--segments", "1", "--sigma_shift", "4", "--init_std", "16"): ("585fb853352c648f", 8.686004638671875),
     ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
 }
 
 
-@pytest.mark.parametrize("flags", list(BEFORE_REPLICAS))
-def test_one_replica_is_the_run_from_before_replicas_bit_for_bit(tmp_path, flags):
+@pytest.mark.parametrize("flags", list(PINNED))
+def test_a_run_of_one_replica_holds_its_pinned_results_bit_for_bit(tmp_path, flags):
     for replicas in ([], ["--replicas", "1"]):
         metrics = run.train(
             run.parse_args(
@@ -81,7 +75,7 @@ def test_one_replica_is_the_run_from_before_replicas_bit_for_bit(tmp_path, flags
         )
         params = metrics["params"]
         digest = hashlib.sha256(b"".join(np.asarray(params[k]).tobytes() for k in sorted(params)))
-        assert (digest.hexdigest()[:16], metrics["val/bits_per_byte"]) == BEFORE_REPLICAS[flags]
+        assert (digest.hexdigest()[:16], metrics["val/bits_per_byte"]) == PINNED[flags]
 
 
 def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):

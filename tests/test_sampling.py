@@ -45,7 +45,7 @@ def test_temperature_sharpens_and_zero_is_greedy():
 def model():
     args = run.Args(n_embd=16, n_layer=1, seed=3, max_new_bytes=40, prompt="def ")
     cfg = run.make_config(args)
-    return args, cfg, run.init_params(cfg)
+    return args, cfg, run.init_params(cfg, args.seed)
 
 
 def test_sampling_is_reproducible_for_a_seed():
@@ -78,7 +78,8 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     run.save_checkpoint(
         tmp_path / "ckpt",
         params,
-        run.initial_states(cfg),
+        {},
+        np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8),
         {"args": {"n_embd": 16, "n_layer": 1, "mlp_relu": False}},
     )
     result = in_process(

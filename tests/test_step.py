@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+from helpers import fitness_of_one_model, one_model_step
 
 import run
 
@@ -58,23 +59,20 @@ def jaxpr_dtypes(jaxpr):
         dict(fast_fitness=False, use_clt=False, rank=3),
         dict(rank=0),
         dict(optimizer="momentum"),
-        dict(optimizer="adam", shared_pair_state=True, mlp_relu=False, adapt_threshold=True),
-        dict(optimizer="ztest", adapt_threshold=True),
-        dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0), adapt_noise=True, segments=3),
+        dict(optimizer="adam", shared_pair_state=True, mlp_relu=True),
+        dict(optimizer="ztest", null_from_scores=True),
+        dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0), segments=3),
     ],
 )
 def test_generation_step_and_validation_have_no_floating_point(overrides):
     args, c, batch = setup(**overrides)
     mesh = run.population_mesh(jax.devices()[:1])
     settings = run.replica_settings(args)
-    params, opt, states = run.init_replicas(c, settings)
-    thresholds = run.replica_thresholds(
-        [run.z_thresholds(run.replica_args(args, s), c)[0] for s in settings], c
-    )
+    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
     programs = {
         "step": (
             run.make_generation_step(c, mesh),
-            (params, opt, states, batch, np.int32(0), thresholds, *run.replica_inputs(c, settings)),
+            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
         ),
         "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
     }
@@ -85,36 +83,18 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
         assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo], name
 
 
-def test_adapt_noise_perturbs_members_with_the_multiplied_noise():
-    """End to end through the step: with every multiplier at 2 (q = 32) the members' fitness at
-    --sigma_shift s equals the fitness without --adapt_noise at s - 1, bit for bit (doubled noise
-    entries are exact, and an extra shift of 2y equals one fewer of y in every perturbation), and
-    differs from the fitness at q = 16 (which scale_noise leaves unchanged: test_update.py)."""
-    args, c, batch = setup(adapt_noise=True, sigma_shift=4)
-    mesh = run.population_mesh(jax.devices()[:1])
-    params, states = jax.tree.map(np.asarray, (run.init_params(c), run.initial_states(c)))
-    thresholds = run.z_thresholds(args, c)[0]
-
-    def fitness(step, opt):  # the step donates its inputs: numpy arrays go in as copies
-        inputs = (params, jax.tree.map(np.asarray, opt), states, batch, np.int32(0), thresholds)
-        return np.asarray(step(*inputs)[3])
-
-    step = run.make_generation_step(c, mesh, part="fitness")
-    opt = run.init_optimizer(c)
-    doubled = fitness(step, jax.tree.map(lambda q: q * 2, opt))
-    lower = run.make_generation_step(c._replace(adapt_noise=False, sigma_shift=3), mesh, part="fitness")
-    np.testing.assert_array_equal(doubled, fitness(lower, {}))
-    assert not np.array_equal(doubled, fitness(step, opt))
-
-
 def run_generations(step, args, c, batch, generations=3):
-    params, opt, states = run.init_params(c), run.init_optimizer(c), run.initial_states(c)
+    carry = (
+        run.init_params(c, args.seed),
+        run.init_optimizer(c),
+        np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
+    )
     thresholds = run.z_thresholds(args, c)
     fitness = []
     for g in range(generations):
-        params, opt, states, f, _ = step(params, opt, states, batch, np.int32(g), thresholds[g])
-        fitness.append(np.asarray(f))
-    return params, opt, np.asarray(states), fitness
+        *carry, f, _ = one_model_step(step, carry, batch, g, thresholds[g], args.seed, args.sigma_shift)
+        fitness.append(f)
+    return (*carry, fitness)
 
 
 def test_generations_are_exactly_reproducible_and_move_parameters():
@@ -126,18 +106,19 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
         np.testing.assert_array_equal(p1[name], p2[name])
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(f1, f2)
-    start = run.init_params(c)
+    start = run.init_params(c, args.seed)
     assert sum(int(np.sum(p1[k] != start[k])) for k in run.PARAM_NAMES) > 0
 
 
 def test_num_perturbations_shares_noise_between_members():
     args, c, batch = setup(num_perturbations=4, group_size=8, segments=1)  # one data sequence for all
-    params, states = run.init_params(c), run.initial_states(c)
-    noise = run.generation_noise(c, jnp.int32(0))
+    params, states = run.init_params(c, args.seed), np.zeros((c.population, c.n_layer, c.n_embd), np.int8)
+    noise = run.generation_noise(c, args.seed, jnp.int32(0))
     assert jax.tree.leaves(noise)[0].shape[0] == 2
     tokens = np.repeat(batch, c.group_size, axis=0)
-    fitness, _ = run.population_fitness(params, noise, states, tokens[:, :-1], tokens[:, 1:], c)
-    fitness = np.asarray(fitness)
+    fitness, _ = fitness_of_one_model(
+        params, noise, states, tokens[:, :-1], tokens[:, 1:], args.sigma_shift, c
+    )
     np.testing.assert_array_equal(fitness[:4], fitness[4:])  # members p and p + 4 are identical
     assert len(set(fitness[:4].tolist())) > 1
 
@@ -149,35 +130,36 @@ def test_shared_pair_state_gives_both_members_their_rounded_mean():
     np.testing.assert_array_equal(run.pair_mean(jnp.asarray(states)), want)
     args, c, batch = setup(shared_pair_state=True)
     step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
-    params, opt, states, _ = jax.tree.map(np.asarray, run_generations(step, args, c, batch, generations=2))
+    params, opt, states, _ = run_generations(step, args, c, batch, generations=2)
     assert np.any(states[0::2] != states[1::2])  # each pair's noise parted its members' states
     thresholds = run.z_thresholds(args, c)[2]
-    as_carried = step(params, opt, jnp.asarray(states), batch, np.int32(2), thresholds)
-    as_mean = step(params, opt, run.pair_mean(jnp.asarray(states)), batch, np.int32(2), thresholds)
-    np.testing.assert_array_equal(as_carried[3], as_mean[3])  # the step starts from the pair means
+
+    def fitness(step, states):
+        return one_model_step(step, (params, opt, states), batch, 2, thresholds, args.seed, args.sigma_shift)[
+            3
+        ]
+
+    as_mean = fitness(step, np.asarray(run.pair_mean(jnp.asarray(states))))
+    np.testing.assert_array_equal(fitness(step, states), as_mean)  # the step starts from the pair means
     own = run.make_generation_step(
         c._replace(shared_pair_state=False), run.population_mesh(jax.devices()[:1])
     )
-    assert np.any(
-        np.asarray(own(params, opt, jnp.asarray(states), batch, np.int32(2), thresholds)[3]) != as_mean[3]
-    )
+    assert np.any(fitness(own, states) != as_mean)
 
 
 def test_state_resets_at_document_separator_and_carries_over_otherwise():
     args, c, batch = setup()
-    params = run.init_params(c)
+    params = run.init_params(c, args.seed)
     x, y = np.stack([batch[0, :-1]] * 2), np.stack([batch[0, 1:]] * 2)
     assert x[0, 3] == 0 and (x[0, 4:] != 0).all()  # one separator, after 3 bytes
     h0 = np.zeros((2, c.n_layer, c.n_embd), np.int8)
     h0[1] = 50  # member 1 starts from another state
-    ll, h_end = run.population_fitness(params, None, h0, x, y, c)
+    ll, h_end = fitness_of_one_model(params, None, h0, x, y, 0, c)
     # a different starting state changes nothing after the separator...
     np.testing.assert_array_equal(h_end[0], h_end[1])
     assert int(ll[0]) != int(ll[1])  # ...but the bytes before it saw the carried state
     assert np.any(np.asarray(h_end) != 0)
-    alone, h_alone, _ = reference.member_fitness(
-        params, None, 1, h0[1], x[1], y[1], c.sigma_shift, c.mlp_relu
-    )
+    alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], 0, c.mlp_relu)
     assert int(alone) == int(ll[1])
     np.testing.assert_array_equal(h_alone, h_end[1])
 

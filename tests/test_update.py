@@ -8,24 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import upstream_args as upstream
 from reference import round_half_away
 
 import run
 
 
-def upstream(**flags):
-    """Args of upstream's algorithm (--algorithm upstream) with these flags: the Z-test tests."""
-    return run.Args(**{**run.UPSTREAM_ALGORITHM, **flags})
-
-
 def tiny(**overrides):
+    """A model small enough for the entry-by-entry references: 4D-1L, 4 pairs, rank 2."""
     return upstream(
         **{**dict(n_embd=4, n_layer=1, parallel_generations_per_gpu=8, num_epochs=10, rank=2), **overrides}
     )
 
 
 def rounded(x: int, k: int) -> int:
-    """x / 2**k rounded half away from zero, as a Python integer."""
+    """round_half_away of a Python integer, as one."""
     return int(round_half_away(x, k))
 
 
@@ -100,10 +97,10 @@ def test_update_equals_slow_numpy_reference(overrides):
     rng = np.random.default_rng(0)
     params = {
         k: jnp.asarray(rng.integers(-127, 128, np.shape(v)).astype(np.int8))
-        for k, v in run.init_params(c).items()
+        for k, v in run.init_params(c, 0).items()
     }
     params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
-    noise = run.generation_noise(c, jnp.int32(3))
+    noise = run.generation_noise(c, 0, jnp.int32(3))
     scores = np.array([1, -1, 1, 1] if c.fast_fitness else [100, -37, 5, -127])
     # low enough that many entries move (sign mode: |Z| <= pairs * rank)
     thresholds = np.array([300, 12] if c.use_clt else [2, 1], np.int32)
@@ -139,7 +136,7 @@ def test_alpha_schedule_is_upstreams():
     fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
     assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
-    assert run.UPSTREAM_ALGORITHM["alpha_floor"] == 0
+    assert run.upstream_preset()["alpha_floor"] == 0
     decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0))
     want = [1 / (15 * t / 1000 + 1) for t in range(4001)]  # 1 / ((2**alpha - 1) t / T + 1)
     np.testing.assert_allclose(decay, want, rtol=1e-15)
@@ -153,7 +150,7 @@ def test_alpha_schedule_is_upstreams():
 
 def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
     floor = run.Args().alpha_floor
-    assert floor == 1 / 64  # the default, chosen in README.org's "At equal wall time"
+    assert floor == 1 / 64  # the default, chosen in docs/results.md
     args = run.Args(alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
     bare = run.alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
     floored = run.alpha_schedule(args)
@@ -194,8 +191,8 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
         n_embd=16, n_layer=1, parallel_generations_per_gpu=512, num_epochs=1, alpha=alpha, **overrides
     )
     c = run.make_config(args)
-    params = run.init_params(c)
-    noise = run.generation_noise(c, jnp.int32(0))
+    params = run.init_params(c, 0)
+    noise = run.generation_noise(c, 0, jnp.int32(0))
     rng = np.random.default_rng(1)
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
@@ -312,21 +309,21 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
     args = tiny(alpha=0.5, **overrides)
     c = run.make_config(args)
     rng = np.random.default_rng(7)
-    params = jax.tree.map(np.asarray, run.init_params(c))
+    params = jax.tree.map(np.asarray, run.init_params(c, 0))
     opt = jax.tree.map(np.asarray, run.init_optimizer(c))
     assert opt and all(x.dtype == np.int16 for x in opt.values())
     shifts, thresholds = run.u_shifts(c), run.z_thresholds(args, c)
     ref_params = {k: v.astype(np.int64) for k, v in params.items()}
     ref_opt = {k: v.astype(np.int64) for k, v in opt.items()}
     for generation in range(4):
-        noise = run.generation_noise(c, jnp.int32(generation))
+        noise = run.generation_noise(c, 0, jnp.int32(generation))
         scores = rng.integers(-1, 2, 4) if c.fast_fitness else rng.integers(-127, 128, 4)
         params, opt, moved = jax.tree.map(
             np.asarray,
             run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
         )
         for name, z in reference_z(ref_params, noise, scores, c).items():
-            kind = int(name not in run.MATRICES)
+            kind = run.kind_of(name)
             m, v = ref_opt[f"m/{name}"], ref_opt.get(f"v/{name}", np.zeros_like(z))
             for index in np.ndindex(z.shape):
                 step, m[index], v[index] = reference_rule(
@@ -343,11 +340,6 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
         for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
-
-
-def numpy_round(x, k):
-    """x / 2**k rounded half away from zero, elementwise in int64."""
-    return np.sign(x) * ((np.abs(x) + ((1 << k) >> 1)) >> k)
 
 
 @pytest.mark.parametrize(
@@ -386,16 +378,16 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
     for generation in range(generations):
         z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries)
         for kind, z in (("matrix", z_matrix), ("vector", z_vector)):
-            index = int(kind == "vector")
+            index = run.VECTOR if kind == "vector" else run.MATRIX
             u = run.standardise(jnp.asarray(z), shifts[index])
             step, *rule[kind] = run.rule_step(jnp.asarray(z), u, *rule[kind], thresholds[index], cfg)
             m, v = kept[kind]
-            u = np.clip(numpy_round(z.astype(np.int64), shifts[index]), -127, 127)
-            m = m - numpy_round(m, momentum_shift) + u
+            u = np.clip(round_half_away(z.astype(np.int64), shifts[index]), -127, 127)
+            m = m - round_half_away(m, momentum_shift) + u
             if optimizer == "momentum":
                 passes = np.abs(m) > thresholds[index]
             else:
-                v = v - numpy_round(v, cfg.scale_shift) + np.abs(u)
+                v = v - round_half_away(v, cfg.scale_shift) + np.abs(u)
                 passes = np.abs(m) * 2**run.SCALE_FRAC > int(thresholds[index]) * v
             kept[kind] = [m, v]
             if generation >= generations * 3 // 4:
@@ -468,184 +460,3 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
     print(f"share with the scores' null {ours:.4f}, with the normal model's {normal_model:.4f}")
     assert abs(ours - alpha) < 0.01
     assert abs(normal_model - alpha) > 0.02  # what the flag is for
-
-
-def test_spread_shift_keeps_the_square_sum_in_int32_and_its_expectation_is_exact():
-    for entries in (1, 2**17 - 1, 2**17, 2**20 + 3, 2**24):
-        b = run.spread_shift(entries)
-        # the least shift for the bound u**2 < 2**14
-        assert entries * (127**2 >> b) < 2**31 and (b == 0 or entries * (2**14 >> (b - 1)) >= 2**31)
-    # E[floor(u**2 / 2**b)] for u a rounded normal at a null std in [16, 32): adapted_threshold's
-    # mean_square / 2**b - (2**b - 1) / 2**(b + 1), within 0.5%
-    u = np.clip(np.round(np.random.default_rng(0).normal(0, 23.0, 2_000_000)), -127, 127).astype(np.int64)
-    for b in (1, 2, 3):
-        want = np.mean(u * u) / 2**b - (2**b - 1) / 2 ** (b + 1)
-        assert abs(np.mean((u * u) >> b) / want - 1) < 0.005, b
-
-
-def reference_move(entry: tuple[int, int, int], threshold: int, shift: int, c) -> int:
-    """The move of one entry (Z, m, v) under c's --optimizer at this threshold."""
-    if c.optimizer == "ztest":
-        return int(np.sign(entry[0])) * (abs(entry[0]) > threshold)
-    return reference_rule(*entry, threshold, shift, c)[0]
-
-
-@pytest.mark.parametrize("optimizer", ["ztest", "momentum", "adam"])
-def test_adapt_threshold_scales_each_group_by_the_root_of_its_spread_ratio(optimizer):
-    """One generation of es_update with --adapt_threshold against a float64 reference: each
-    tensor, each layer apart, is tested against threshold x sqrt(sum(u**2) / (entries x E[u**2]))
-    by reference_rule. Entries may differ only where the reference's decision changes within the
-    bound of scale_by_root (1 + 2**-12 relative, +-1); they are few, and the adapted moves differ
-    from the unadapted ones."""
-    args = tiny(n_layer=2, alpha=0.5, optimizer=optimizer, adapt_threshold=True)
-    c = run.make_config(args)
-    plain = run.make_config(dataclasses.replace(args, adapt_threshold=False))
-    rng = np.random.default_rng(3)
-    params = jax.tree.map(np.asarray, run.init_params(c))
-    opt = jax.tree.map(np.asarray, run.init_optimizer(c))
-    noise = run.generation_noise(c, jnp.int32(0))
-    scores = rng.integers(-1, 2, 4)
-    thresholds, shifts = run.z_thresholds(args, c)[0], run.u_shifts(c)
-    got, _, _ = run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
-    unadapted, _, _ = run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds, plain)
-    unclear = differs = 0
-    for name, z in reference_z(params, noise, scores, c).items():
-        kind = int(name not in run.MATRICES)
-        u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
-        groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
-        ratio = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
-        m, v = opt.get(f"m/{name}", np.zeros(z.shape)), opt.get(f"v/{name}", np.zeros(z.shape))
-        for index in np.ndindex(z.shape):
-            layer = index[0] if name in run.BLOCK_NAMES else 0
-            scaled = int(thresholds[kind]) * math.sqrt(ratio[layer])
-            if optimizer == "adam":
-                scaled = min(scaled, run.SCALE_MAX)
-            entry = (int(z[index]), int(m[index]), int(v[index]))
-            low, high = (
-                reference_move(entry, t, shifts[kind], c)
-                for t in (math.floor(scaled * (1 - 2**-12)) - 1, math.ceil(scaled * (1 + 2**-12)) + 1)
-            )
-            want = min(127, max(-127, int(params[name][index]) + low))
-            if low != high:
-                unclear += 1
-            else:
-                assert int(got[name][index]) == want, (name, index)
-            differs += int(got[name][index] != unadapted[name][index])
-    total = sum(p.size for p in params.values())
-    # m starts from u, a few tens at most: a band of three integers holds a few percent of it
-    assert unclear < total / (50 if optimizer == "ztest" else 10) and differs > 0, (unclear, differs, total)
-
-
-def follow_one_group(c, noise, rng):
-    """Fitness that follows the noise of one group only (layer 0 of Uf) along a fixed +-1 direction
-    G: each pair's sum of G * A B^T, + for its first member and - for its second."""
-    a, b = (np.asarray(x[:, 0]).astype(np.int64) for x in noise["Uf"])  # (pairs, m | n, rank)
-    direction = rng.choice([-1, 1], (a.shape[1], b.shape[1]))
-    pair = np.einsum("pmr,mn,pnr->p", a, direction, b)
-    return np.stack([pair, -pair], axis=1).ravel().astype(np.int32)
-
-
-def test_adapt_threshold_raises_the_threshold_of_a_group_with_signal_only():
-    """Fitness that follows the noise of one group (layer 0 of Uf, 256 entries; follow_one_group:
-    each entry's Z has a signal twice its null std with 1024 pairs): without the flag the Z-test
-    moves far more than alpha of that group; with --adapt_threshold its threshold follows its wider
-    spread and it moves about alpha, while the groups with no signal (layer 1 of Uf, the other
-    matrices) move alpha either way."""
-    alpha = 0.2
-    args = upstream(n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=alpha)
-    rng = np.random.default_rng(5)
-    shares = {}
-    for adapt in (False, True):
-        c = run.make_config(dataclasses.replace(args, adapt_threshold=adapt))
-        noise = run.generation_noise(c, jnp.int32(0))
-        fitness = follow_one_group(c, noise, rng)
-        params = run.init_params(c)
-        scores = run.shape_fitness(jnp.asarray(fitness), c)
-        _, _, moved = run.es_update(params, {}, noise, scores, run.z_thresholds(args, c)[0], c)
-        counts, start = {}, 0
-        for name in run.PARAM_NAMES:
-            layers = c.n_layer if name in run.BLOCK_NAMES else 1
-            size = params[name].size // layers
-            counts.update({(name, k): int(moved[start + k]) / size for k in range(layers)})
-            start += layers
-        shares[adapt] = counts
-    print(shares)
-    assert shares[False]["Uf", 0] > 2 * alpha and abs(shares[True]["Uf", 0] - alpha) < 0.08
-    for adapt in (False, True):
-        assert abs(shares[adapt]["Uf", 1] - alpha) < 0.08
-        rest = [v for (name, _), v in shares[adapt].items() if name in run.MATRICES and name != "Uf"]
-        assert abs(np.mean(rest) - alpha) < 0.02, (adapt, rest)
-
-
-def test_adapt_noise_steps_each_group_towards_the_median_spread_ratio():
-    """One update with --adapt_noise and fitness that follows layer 0 of Uf only: each group's
-    multiplier against a float64 reference (Z by numpy in int64, u, the spread ratio
-    sum(u**2) / (entries x E[u**2]), one step down where it is above the median group's, else
-    up, within [8, 32]; a group within 2**-11 of the median either way). The group with signal
-    steps down, and fewer than half the groups do; a bound holds a group where it is: layer 1 of Uf
-    starts at the top, and a second update starts the signal group at the bottom."""
-    args = upstream(
-        n_embd=16, n_layer=2, parallel_generations_per_gpu=2048, num_epochs=1, alpha=0.2, adapt_noise=True
-    )
-    c = run.make_config(args)  # the Z-test: u is computed for the multipliers alone
-    noise = run.generation_noise(c, jnp.int32(0))
-    scores = run.shape_fitness(jnp.asarray(follow_one_group(c, noise, np.random.default_rng(5))), c)
-    params, thresholds, shifts = run.init_params(c), run.z_thresholds(args, c)[0], run.u_shifts(c)
-    low, high = run.NOISE_SCALE_RANGE
-    weights = np.asarray(scores).astype(np.int64)
-    ratios = {}
-    for name in run.PARAM_NAMES:
-        kind = int(name not in run.MATRICES)
-        if isinstance(noise[name], tuple):
-            a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
-            z = np.einsum("k,k...mr,k...nr->...mn", weights, a, b)
-        else:
-            z = np.einsum("k,k...->...", weights, np.asarray(noise[name]).astype(np.int64))
-        u = np.clip(numpy_round(z, shifts[kind]), -127, 127)
-        groups = u.reshape(z.shape[0] if name in run.BLOCK_NAMES else 1, -1)
-        ratios[name] = np.sum(groups**2, axis=1) / (groups.shape[1] * run.u_null_std(c)[kind] ** 2)
-    median = float(np.median(np.concatenate(list(ratios.values()))))  # an odd count of groups: one of them
-    for signal_start in (16, low):
-        opt = jax.tree.map(np.asarray, run.init_optimizer(c))
-        opt["noise/Uf"] = np.array([signal_start, high], np.int16)
-        _, got, _ = run.es_update(params, opt, noise, scores, thresholds, c)
-        steps = {}
-        for name, ratio in ratios.items():
-            start = opt[f"noise/{name}"].reshape(-1).astype(int)
-            new = np.asarray(got[f"noise/{name}"]).reshape(-1).astype(int)
-            for k, r in enumerate(ratio):
-                steps[name, k] = new[k] - start[k]
-                if abs(r / median - 1) > 2**-11:
-                    assert new[k] == np.clip(start[k] + (-1 if r > median else 1), low, high), (name, k)
-        assert steps[("Uf", 0)] == (-1 if signal_start > low else 0) and steps[("Uf", 1)] == 0, steps
-        assert 0 < list(steps.values()).count(-1) < len(steps) / 2, steps
-
-
-def test_scale_noise_multiplies_each_groups_noise_by_its_multiplier():
-    """scale_noise against numpy: A (or the full-shape noise) of each group times q / 16, rounded
-    half away from zero, B untouched; q = 16 changes nothing; the largest multiplier keeps every
-    noise entry within int8, as NOISE_SCALE_RANGE states."""
-    for rank in (2, 0):
-        c = run.make_config(tiny(n_layer=2, rank=rank, adapt_noise=True))
-        noise = jax.tree.map(np.asarray, run.generation_noise(c, jnp.int32(1)))
-        rng = np.random.default_rng(rank)
-        low, high = run.NOISE_SCALE_RANGE
-        opt = {
-            f"noise/{k}": rng.integers(low, high + 1, run.state_shape("noise", k, c)).astype(np.int16)
-            for k in run.PARAM_NAMES
-        }
-        got = run.scale_noise(noise, opt)
-        unit = run.scale_noise(noise, run.init_optimizer(c))
-        for name, nz in noise.items():
-            q = opt[f"noise/{name}"].astype(np.int64)
-            full = nz[0] if isinstance(nz, tuple) else nz
-            q = q.reshape((1, -1) + (1,) * (full.ndim - 2)) if name in run.BLOCK_NAMES else q
-            want = numpy_round(full.astype(np.int64) * q, run.NOISE_SCALE_FRAC)
-            scaled = got[name][0] if isinstance(nz, tuple) else got[name]
-            assert scaled.dtype == jnp.int8
-            np.testing.assert_array_equal(scaled, want, err_msg=name)
-            if isinstance(nz, tuple):
-                np.testing.assert_array_equal(got[name][1], nz[1])
-            jax.tree.map(np.testing.assert_array_equal, unit[name], nz)
-    largest = int(np.abs(run.make_tables(1).gauss).max())
-    assert numpy_round(largest * high, run.NOISE_SCALE_FRAC) <= 127
