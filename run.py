@@ -13,8 +13,9 @@ a test on the fitness-weighted noise passes. One compiled step trains K >= 1 mod
 (--replicas): every array of a run has a leading replica axis, and a single run is K = 1.
 
 The file reads top to bottom, one ruler per section: Args, constants, integer math, model, noise,
-ES step, devices, integer ranges, flags, data, baselines, checkpoints, replicas and PBT,
-sampling, diagnostics, loop, benchmark, main. Importing it does nothing.
+ES step, devices, integer ranges, flags, data, baselines, checkpoints, replicas and
+population-based training, sampling, diagnostics, loop, benchmark, main. Importing it does
+nothing: `python run.py` calls main().
 """
 
 from __future__ import annotations
@@ -1154,14 +1155,31 @@ def init_run(cfg: Config, seeds: list[int]):
 # Devices: one mesh axis over every device of every process; arrays move between the host and it.
 
 
+class QuietPluginErrors(logging.Filter):
+    """Drops JAX's traceback of an accelerator plugin that cannot start on this machine (jax[cuda12]
+    on a machine with no NVIDIA GPU logs ~10 lines of it, then uses the CPU): JAX's own choice of
+    platform stands, without the noise. Kept where an NVIDIA device is present: there it tells why
+    the GPU is not used. The last reason is kept for a --platform that cannot start."""
+
+    seen: list[str] = []  # the reasons plugins gave, last last
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Jax plugin configuration error"):
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            QuietPluginErrors.seen.append(f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
+        return Path("/dev/nvidiactl").exists()
+
+
 def population_mesh(devices=None) -> jax.sharding.Mesh:
     """A 1-D mesh over every device of every process (or the given ones). The first call starts
     JAX's platform: one that cannot start (a --platform this machine lacks) is refused in one line."""
     if devices is None:
         try:
             devices = jax.devices()
-        except RuntimeError as error:
-            raise UserError(f"JAX cannot start its platform: {str(error).splitlines()[0]}") from None
+        except (RuntimeError, AssertionError) as error:  # JAX asserts where a plugin failed to start
+            reason = (QuietPluginErrors.seen or [str(error) or "no device"])[-1].splitlines()[0]
+            raise UserError(f"JAX cannot start platform {jax.config.jax_platforms}: {reason}") from None
     return jax.sharding.Mesh(np.array(devices), (POP,))
 
 
@@ -1375,6 +1393,15 @@ def check_range(name: str, value, which: str = "") -> None:
         raise UserError(f"--{name} must be {facts.allowed()}, got {value}{which}{why}")
 
 
+def check_ranges(cfg: Config) -> None:
+    """Refuse a configuration whose int32 accumulators could overflow (accumulator_bounds)."""
+    for name, (bound, remedy) in accumulator_bounds(cfg).items():
+        if bound > INT32_MAX:
+            raise UserError(
+                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {remedy}"
+            )
+
+
 def check_args(args: Args) -> None:
     """Refuse a bad configuration with one clear line, naming the flag, before anything is compiled."""
     for name, facts in flag_facts().items():
@@ -1406,15 +1433,6 @@ def check_args(args: Args) -> None:
         for name in REPLICA_SETTINGS:
             check_range(name, setting[name], f" (replica {k})" if args.replicas > 1 else "")
     check_ranges(make_config(args))
-
-
-def check_ranges(cfg: Config) -> None:
-    """Refuse a configuration whose int32 accumulators could overflow (accumulator_bounds)."""
-    for name, (bound, remedy) in accumulator_bounds(cfg).items():
-        if bound > INT32_MAX:
-            raise UserError(
-                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {remedy}"
-            )
 
 
 def check_z_test(args: Args, cfg: Config) -> None:
@@ -2640,6 +2658,43 @@ def due(every: int, done: int) -> bool:
     return bool(every) and done % every == 0
 
 
+def save_progress(run: Run, progress: Progress, done: int) -> Path:
+    """A periodic checkpoint of every replica, with their settings and last validations."""
+    scores, leader = progress.scores, progress.leader
+    return run.checkpointer.save(
+        done, snapshot(progress.carry), scores[leader], replica_meta(progress.settings, scores, leader)
+    )
+
+
+def progress_postfix(metrics: dict, progress: Progress) -> dict:
+    """The progress bar's train and validation bits/byte and tokens/s."""
+    scores, leader = progress.scores, progress.leader
+    val = f"{scores[leader]:.3f}"
+    if len(scores) > 1:
+        val += f" (replica {leader}, median {statistics.median(scores):.3f})"
+    return dict(
+        train=f"{metrics['train/bits_per_byte']:.3f}", val=val, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}"
+    )
+
+
+def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stop: StopSignal, log) -> dict:
+    """The run's last lines; the last metrics with the parameters (every replica's) on the host."""
+    cfg = run.cfg
+    if timed:
+        rate = cfg.population * cfg.tokens * cfg.replicas * len(timed) / sum(timed)
+        log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
+    if stop.received == signal.SIGINT:
+        raise SystemExit(130)
+    scores, leader = progress.scores, progress.leader
+    if not stop.received:
+        which = ""
+        if cfg.replicas > 1:
+            which = f" (replica {leader} of {cfg.replicas}, {settings_text(progress.settings[leader])})"
+            which += describe_spread(scores)
+        log(f"validation bits/byte {scores[leader]:.4f} after {run.args.num_epochs} generations{which}")
+    return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
+
+
 def train(args: Args) -> dict:
     """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
     from tqdm import tqdm
@@ -2708,43 +2763,6 @@ def train(args: Args) -> dict:
     bar.close()
     record.close()
     return finish(run, progress, metrics, timed, stop, log)
-
-
-def save_progress(run: Run, progress: Progress, done: int) -> Path:
-    """A periodic checkpoint of every replica, with their settings and last validations."""
-    scores, leader = progress.scores, progress.leader
-    return run.checkpointer.save(
-        done, snapshot(progress.carry), scores[leader], replica_meta(progress.settings, scores, leader)
-    )
-
-
-def progress_postfix(metrics: dict, progress: Progress) -> dict:
-    """The progress bar's train and validation bits/byte and tokens/s."""
-    scores, leader = progress.scores, progress.leader
-    val = f"{scores[leader]:.3f}"
-    if len(scores) > 1:
-        val += f" (replica {leader}, median {statistics.median(scores):.3f})"
-    return dict(
-        train=f"{metrics['train/bits_per_byte']:.3f}", val=val, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}"
-    )
-
-
-def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stop: StopSignal, log) -> dict:
-    """The run's last lines; the last metrics with the parameters (every replica's) on the host."""
-    cfg = run.cfg
-    if timed:
-        rate = cfg.population * cfg.tokens * cfg.replicas * len(timed) / sum(timed)
-        log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
-    if stop.received == signal.SIGINT:
-        raise SystemExit(130)
-    scores, leader = progress.scores, progress.leader
-    if not stop.received:
-        which = ""
-        if cfg.replicas > 1:
-            which = f" (replica {leader} of {cfg.replicas}, {settings_text(progress.settings[leader])})"
-            which += describe_spread(scores)
-        log(f"validation bits/byte {scores[leader]:.4f} after {run.args.num_epochs} generations{which}")
-    return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2819,6 +2837,16 @@ class Kind:
     memory: float = 0.0  # peak memory after its first generation, GiB
 
 
+def time_generation(kind: Kind, generation: int) -> float:
+    tick = time.time()
+    *carry, _, _ = jax.block_until_ready(
+        kind.compiled.step(*kind.carry, kind.batch, np.int32(generation), *kind.inputs)
+    )
+    kind.carry = tuple(carry)
+    kind.seconds.append(time.time() - tick)
+    return kind.seconds[-1]
+
+
 def prepare_kind(
     label: str, kind_args: Args, part: str, mesh, rng, notes: list, check_room=False
 ) -> Kind | None:
@@ -2844,16 +2872,6 @@ def prepare_kind(
     kind.seconds.clear()
     kind.memory = peak_memory()[0]
     return kind
-
-
-def time_generation(kind: Kind, generation: int) -> float:
-    tick = time.time()
-    *carry, _, _ = jax.block_until_ready(
-        kind.compiled.step(*kind.carry, kind.batch, np.int32(generation), *kind.inputs)
-    )
-    kind.carry = tuple(carry)
-    kind.seconds.append(time.time() - tick)
-    return kind.seconds[-1]
 
 
 def plan_rounds(
@@ -2994,17 +3012,6 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # Main: the platform, the CPU split and the compilation cache, set before JAX starts; then train,
 # benchmark or sample.
-
-
-class QuietPluginErrors(logging.Filter):
-    """Drops JAX's traceback of an accelerator plugin that cannot start on this machine (jax[cuda12]
-    on a machine with no NVIDIA GPU logs ~10 lines of it, then uses the CPU): JAX's own choice of
-    platform stands, without the noise. Kept where an NVIDIA device is present: there it tells why
-    the GPU is not used."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        plugin_error = record.getMessage().startswith("Jax plugin configuration error")
-        return not plugin_error or Path("/dev/nvidiactl").exists()
 
 
 def select_platform(platform: str) -> None:

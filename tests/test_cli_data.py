@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tyro
-from helpers import CACHE, cli, in_process, one_line_error, optimised_env
+from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 
 import run
 
@@ -331,3 +331,17 @@ def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path)
     assert scores[-1] < min(baseline, corpus_entropy)
     (cache,) = Path(CACHE).glob("stdlib-*.bin")
     assert os.path.getsize(cache) > 10_000_000
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a machine with an NVIDIA device")
+def test_the_platform_is_jaxs_own_choice_and_a_missing_one_is_one_line(tmp_path):
+    """No JAX_PLATFORMS and no --platform: JAX chooses (the CPU here, where jax[cuda12]'s plugin
+    cannot start) without printing the plugin's traceback; --platform cuda is refused in one line."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    flags = [*TINY, "--runs_dir", str(tmp_path), "--num_epochs", "1", "--save_every", "0"]
+    result = cli(*flags, env=env)
+    assert result.returncode == 0 and "population 16 on 1 cpu device(s)" in result.stdout, result.stderr[
+        -2000:
+    ]
+    assert "Traceback" not in result.stderr and "plugin" not in result.stderr
+    one_line_error(cli(*flags, "--platform", "cuda", env=env), "JAX cannot start platform cuda")

@@ -193,25 +193,43 @@ def agent_command(sweep: dict, values: dict) -> list[str]:
     return command
 
 
-def test_sweep_booleans_reach_the_script():
-    sweep = yaml.safe_load((ROOT / "sweep.yaml").read_text())
-    params = sweep["parameters"]
+def grid(sweep: dict) -> list[dict]:
+    """Every point of a sweep's grid: {parameter: value}."""
+    points = [{}]
+    for name, spec in sweep["parameters"].items():
+        points = [{**p, name: v} for p in points for v in spec.get("values", [spec.get("value")])]
+    return points
+
+
+@pytest.mark.parametrize("file", ["sweep.yaml", "sweep_upstream.yaml"])
+def test_every_sweep_point_reaches_the_script_as_a_valid_configuration(file):
+    sweep = yaml.safe_load((ROOT / file).read_text())
     fields = {f.name for f in run.dataclasses.fields(run.Args)}
-    assert set(params) <= fields, set(params) - fields
-    values = {k: v.get("value", v.get("values", [None])[0]) for k, v in params.items()}
+    assert set(sweep["parameters"]) <= fields, set(sweep["parameters"]) - fields
+    for point in grid(sweep):
+        args = run.parse_args(agent_command(sweep, point))
+        run.check_args(args)
+        assert (
+            args.track is True and args.parallel_generations_per_gpu == point["parallel_generations_per_gpu"]
+        )
+        if point.get("algorithm") == "upstream":  # upstream's algorithm, as the file says
+            assert all(getattr(args, k) == v for k, v in run.upstream_preset().items())
+        else:  # egg-jax's defaults for every flag the file does not set
+            defaults = run.Args()
+            assert all(getattr(args, k) == getattr(defaults, k) for k in fields - set(point))
+
+
+def test_sweep_booleans_reach_the_script():
+    sweep = yaml.safe_load((ROOT / "sweep_upstream.yaml").read_text())
+    values = {k: v.get("value", v.get("values", [None])[0]) for k, v in sweep["parameters"].items()}
     values.update(use_clt=False, fast_fitness=False)
     command = agent_command(sweep, values)
     args = run.parse_args(command)
     print("agent command:", " ".join(command))
-    print("parsed:", args.use_clt, args.fast_fitness)
     assert args.use_clt is False and args.fast_fitness is False
-    assert args.track is True and args.parallel_generations_per_gpu == values["parallel_generations_per_gpu"]
     # the upstream macro drops false booleans, so the defaults (True) would silently win
     upstream = agent_command(dict(sweep, command=["${args_no_boolean_flags}"]), values)
     assert run.parse_args(upstream).use_clt is True
-    for v in params["parallel_generations_per_gpu"]["values"]:  # every grid point is a valid config
-        fixed = {k: p["value"] for k, p in params.items() if "value" in p}
-        run.check_args(run.Args(**{**fixed, "parallel_generations_per_gpu": v}))
 
 
 @pytest.mark.parametrize(
