@@ -302,7 +302,7 @@ def flag_facts() -> dict[str, Facts]:
 # What each replica sets for itself (--replica_NAME), and population-based training explores
 REPLICA_SETTINGS = ("alpha", "alpha_decay_timestep", "sigma_shift")
 # Flags that egg-jax once had, with the value that meant "off": a checkpoint trained with another
-# value is refused (they did not help: docs/results.md, "Tried, not adopted"; the code is at b7524ed)
+# value is refused (they did not help: docs/results.org, "Tried, not adopted"; the code is at b7524ed)
 REMOVED_FLAGS = {"adapt_threshold": False, "adapt_noise": False}
 
 
@@ -3035,7 +3035,7 @@ def split_cpu(args: Args) -> Args:
     """Args with --cpu_devices as used (1: not split), the host's CPU split into that many JAX
     devices before JAX starts (should JAX choose an accelerator, the run sets it back to 1). XLA
     spreads each product of a single CPU device over the cores, which for this model's small int8
-    products costs more than it gains (docs/results.md, "Benchmark"). Not split: on another
+    products costs more than it gains (docs/design.org, "Many devices and hosts"). Not split: on another
     --platform; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count; in a multi-process run
     unless --cpu_devices is given (every process must split alike); with --rank 0 unless given
     (every device builds the whole full-rank noise of the update: memory times the devices). Once

@@ -1,8 +1,8 @@
-"""A slow, independent reference of the integer forward pass, written from README.org's description
+"""A slow, independent reference of the integer forward pass, written from docs/design.org's description
 of the model and sharing no function with run.py: Python integers and numpy int64 arithmetic, one
 member and one byte at a time. Only the parameters, the noise and the bytes come from outside.
 
-Fixed-point formats (README, "The model"): weights, gains, embeddings, residual stream and
+Fixed-point formats (docs/design.org, "The model"): weights, gains, embeddings, residual stream and
 layer-norm outputs are q / 16; noise entries q / 16 (B already divided by sqrt(rank)); the hidden
 state uses the full range (q / 127); logits are log2-probabilities at q / 16 bits; the
 log-likelihood is in bits at q / 256.
@@ -29,7 +29,7 @@ def round_half_away(v, k: int):
 
 
 def rescale(acc, divisor: float):
-    """floor(acc / divisor), clipped to int8: README's rescale. A power of two is an exact floor
+    """floor(acc / divisor), clipped to int8: design.org's rescale. A power of two is an exact floor
     shift; otherwise divisor = 2**k c with c in [1, 2): acc is floored by 2**(k - g), g = min(k, 6)
     guard bits, clipped to +-2**(8 + g), multiplied by round(2**(14 + k) / divisor) and floored by
     2**(14 + g)."""
@@ -66,7 +66,7 @@ def matmul(x, w, noise, sign: int, sigma_shift: int):
 
 
 def layer_norm(x, gain):
-    """gain * x / mean|x|: mean = floor(sum|x| / n) (README's rescale), at least 1; the product
+    """gain * x / mean|x|: mean = floor(sum|x| / n) (design.org's rescale), at least 1; the product
     times round(2**16 / mean), floored by 2**16, clipped."""
     x = np.asarray(x, np.int64)
     mean = max(int(rescale(np.abs(x).sum(), len(x))), 1)
@@ -84,7 +84,7 @@ def embed(emb, tok: int, noise, sign: int, sigma_shift: int):
 
 
 def log2_softmax(logits, target: int) -> int:
-    """log2 p(target) at q / 256 bits, with README's tables: d = max - logit, s = sum of
+    """log2 p(target) at q / 256 bits, with design.org's tables: d = max - logit, s = sum of
     round(2**(20 - (d % 16) / 16)) >> (d // 16), log2 s = top bit + a 1024-entry mantissa table of
     round(256 log2(1 + (i + 0.5) / 1024))."""
     logits = [int(v) for v in logits]

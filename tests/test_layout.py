@@ -49,3 +49,9 @@ def test_each_section_the_docstring_names_is_under_its_ruler_in_that_order():
     sections = [name.strip().removeprefix("and ") for name in listed.replace("\n", " ").split(",")]
     rulers = re.findall(r"^# -{90,}\n# ([^.:]+)[.:]", SOURCE, re.M)
     assert [r.lower() for r in rulers] == [s.lower() for s in sections]
+
+
+def test_ci_runs_exactly_the_test_command_the_readme_gives():
+    readme = (ROOT / "README.org").read_text()
+    command = re.search(r"\* Tests\n\n#\+begin_src sh\n.*?\n(.*?)\n#\+end_src", readme, re.S).group(1)
+    assert command.strip() in (ROOT / ".ci" / "run").read_text().splitlines()

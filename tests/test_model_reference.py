@@ -118,7 +118,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     """--segments 3 of 7 bytes (2, 2 and 3 of them): member p evaluates segment s with pair
     s D + p // 2's noise (D pairs a segment), from its pair's mean state (--shared_pair_state) or its
     own; one Z-test update weighs every segment's pair. Reference: reference.member_fitness segment
-    by segment, the scores and Z (its int8 operand rounded as the README states) in numpy int64."""
+    by segment, the scores and Z (its int8 operand rounded as docs/design.org states) in numpy int64."""
     args = run.Args(
         n_embd=8,
         n_layer=2,

@@ -27,7 +27,7 @@ def rounded(x: int, k: int) -> int:
 
 
 def operand_shift(c) -> int:
-    """The README's k: the smallest shift that brings every w_j a (w_j the summed scores of the pairs
+    """docs/design.org's k: the smallest shift that brings every w_j a (w_j the summed scores of the pairs
     sharing noise j, a an entry of A or its sign) within int8."""
     repeats = c.population // (2 * c.distinct_pairs)
     largest = (int(np.abs(run.make_tables(c.rank).gauss).max()) if c.use_clt else 1) * repeats
@@ -36,7 +36,7 @@ def operand_shift(c) -> int:
 
 
 def reference_z(params, noise, scores, c):
-    """Entry by entry, as the README states it: w_j = the sum of the scores of the pairs k with
+    """Entry by entry, as docs/design.org states it: w_j = the sum of the scores of the pairs k with
     noise j = k mod D; a low-rank matrix's Z = sum_j sum_r round(w_j a_j[i, r] / 2**k) b_j[l, r]
     (operand_shift's k), any other Z = sum_j w_j e_j[i]."""
     weights = [
@@ -150,7 +150,7 @@ def test_alpha_schedule_is_upstreams():
 
 def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
     floor = run.Args().alpha_floor
-    assert floor == 1 / 64  # the default, chosen in docs/results.md
+    assert floor == 1 / 64  # the default, chosen in docs/results.org
     args = run.Args(alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
     bare = run.alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
     floored = run.alpha_schedule(args)
@@ -208,7 +208,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
 def null_z(cfg, rng, pairs, entries, fitness=None):
     """One generation under the null: scores shaped from fitness unrelated to the noise (normal
     unless given), and Z of `entries` matrix entries and `entries` vector entries drawn from the
-    noise tables, each from run.z_statistic and checked against a plain numpy sum of the README's
+    noise tables, each from run.z_statistic and checked against a plain numpy sum of docs/design.org's
     terms (float64: exact below 2**53). Returns them and the sum of squared scores."""
     tables = run.make_tables(cfg.rank)
 
@@ -283,7 +283,7 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
 
 
 def reference_rule(z: int, m: int, v: int, threshold: int, shift: int, c) -> tuple[int, int, int]:
-    """One entry of --optimizer momentum / adam: (move, new m, new v), as the README states it."""
+    """One entry of --optimizer momentum / adam: (move, new m, new v), as docs/design.org states it."""
     u = max(-127, min(127, rounded(z, shift)))
     m = m - rounded(m, c.momentum_shift) + u
     if c.optimizer == "momentum":
