@@ -1331,27 +1331,14 @@ def make_config(args: Args, devices: int | None = None) -> Config:
     shards = max(args.cpu_devices, 1)
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
+    derived = ("population", "tokens", "segments", "distinct_pairs", "devices")
     cfg = Config(
-        n_layer=args.n_layer,
-        n_embd=args.n_embd,
+        **{name: getattr(args, name) for name in Config._fields if name not in derived},  # as the flags say
         population=population,
-        group_size=args.group_size,
         tokens=args.tokens_per_update,
         segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
-        rank=args.rank,
-        use_clt=args.use_clt,
-        fast_fitness=args.fast_fitness,
-        noise_reuse=args.noise_reuse,
         distinct_pairs=(args.num_perturbations or population) // 2,
         devices=devices,
-        optimizer=args.optimizer,
-        momentum_shift=args.momentum_shift,
-        scale_shift=args.scale_shift,
-        shared_pair_state=args.shared_pair_state,
-        null_from_scores=args.null_from_scores,
-        mlp_relu=args.mlp_relu,
-        init_std=args.init_std,
-        replicas=args.replicas,
     )
     while (
         not args.segments
@@ -2182,18 +2169,24 @@ def describe_spread(scores: list[float]) -> str:
     )
 
 
-def replica_metrics(each: list[dict], settings: list[dict], summary: bool = True) -> dict:
+def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:
     """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
     settings (a series of its own in W&B), and with `summary` the best replica's bits/byte under
     the plain names (what sweeps and the progress bar read)."""
-    if len(each) == 1:
-        return each[0]
+    if len(per_replica) == 1:
+        return per_replica[0]
     out = {}
-    for k, (values, setting) in enumerate(zip(each, settings, strict=True)):
+    for k, (values, setting) in enumerate(zip(per_replica, settings, strict=True)):
         out.update({f"replica/{k}/{name}": v for name, v in values.items()})
         out.update({f"replica/{k}/{name}": setting[name] for name in REPLICA_SETTINGS})
     if summary:
-        out.update({name: min(x[name] for x in each) for name in each[0] if name.endswith("bits_per_byte")})
+        out.update(
+            {
+                name: min(x[name] for x in per_replica)
+                for name in per_replica[0]
+                if name.endswith("bits_per_byte")
+            }
+        )
     return out
 
 
@@ -2602,7 +2595,7 @@ def generation_metrics(
     members) and the moved entries (K, tensors), on the host."""
     cfg, num_params = run.cfg, num_parameters(run.cfg)
     fitness, moved = fitness.astype(np.int64), np.sum(moved, axis=1, dtype=np.int64)
-    each = [
+    per_replica = [
         {
             "train/bits_per_byte": bits_per_byte(f.mean(), cfg.tokens),
             "train/best_bits_per_byte": bits_per_byte(f.max(), cfg.tokens),
@@ -2615,7 +2608,11 @@ def generation_metrics(
         for f, m, s in zip(fitness, moved, settings, strict=True)
     ]
     tokens = cfg.population * cfg.tokens * cfg.replicas
-    return {**replica_metrics(each, settings), "perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}
+    return {
+        **replica_metrics(per_replica, settings),
+        "perf/tokens_per_s": tokens / seconds,
+        "perf/seconds": seconds,
+    }
 
 
 def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> tuple[Progress, dict]:
@@ -2643,15 +2640,15 @@ def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> 
 
 def diagnostics_phase(run: Run, probe, params, before: dict, settings: list[dict], done: int, log) -> dict:
     """diag/ metrics of every replica (and with --debug their tables)."""
-    each = []
+    per_replica = []
     for k in range(run.cfg.replicas):
         model = replica_of(params, k)
         seen = jax.tree.map(host_copy, probe(model, run.valid_rows[:16, :65]))
-        each.append(diagnostics(seen, jax.tree.map(host_copy, model), replica_of(before, k)))
+        per_replica.append(diagnostics(seen, jax.tree.map(host_copy, model), replica_of(before, k)))
         if run.args.debug:
             who = f" replica {k}" if run.cfg.replicas > 1 else ""
-            log(f"generation {done}{who} diagnostics:\n{diagnostics_table(each[-1])}")
-    return replica_metrics(each, settings, summary=False)
+            log(f"generation {done}{who} diagnostics:\n{diagnostics_table(per_replica[-1])}")
+    return replica_metrics(per_replica, settings, summary=False)
 
 
 def due(every: int, done: int) -> bool:
