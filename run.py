@@ -14,8 +14,8 @@ a test on the fitness-weighted noise passes. One compiled step trains K >= 1 mod
 
 The file reads top to bottom, one ruler per section: Args, constants, integer math, model, noise,
 ES step, devices, integer ranges, flags, data, baselines, checkpoints, replicas and
-population-based training, sampling, diagnostics, loop, benchmark, main. Importing it does
-nothing: `python run.py` calls main().
+population-based training, sampling, diagnostics, loop, benchmark, GPU target, main. Importing it
+does nothing: `python run.py` calls main().
 """
 
 from __future__ import annotations
@@ -114,6 +114,11 @@ class Args:
     # experiment
     benchmark: bool = False
     """time training, fitness, inference and full-rank ES generations on random bytes, print a table"""
+    target: Literal["", "h100"] = ""
+    """with --benchmark: compile for this GPU here, without one, and report its program and a modeled
+    speed instead of timing (targets/ holds its description)"""
+    target_devices: Annotated[int, *flag("[1, inf)")] = 1
+    """with --target: GPUs the population is spread over (the sharded program of one of them)"""
     seed: Annotated[int, *flag("[0, inf)", training=True)] = 0
     """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
     num_epochs: Annotated[int, *flag("[1, inf)")] = 1000
@@ -637,7 +642,8 @@ def token_logits(params, nz, sign, sigma_shift, h, tok, cfg: Config, tables: Tab
         return x, (h_layer, seen)
 
     embedding = x
-    x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
+    with jax.named_scope("layers"):  # names the loop in the compiled program (gpu_kernels reads it)
+        x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
     x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, sigma_shift), tables)
     logits = matmul(x, params["head"], nzs("head"), sign, sigma_shift)
     return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
@@ -811,7 +817,8 @@ def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg
 
     h = jnp.moveaxis(states.reshape((replicas,) + layout + states.shape[2:]), 4, 0)  # (L, K, R, D, 2, n)
     io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))
-    h, ll = jax.lax.scan(step, h, io)
+    with jax.named_scope("tokens"):
+        h, ll = jax.lax.scan(step, h, io)
     return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, 4).reshape(states.shape)
 
 
@@ -2970,6 +2977,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     skipped is printed with the reason. Peak memory is read after each kind's first generation,
     and the compiled program's temporaries beside it. Returns the tokens/s of each kind timed."""
     check_args(args)
+    if args.target:
+        return target_report(args)
     started = time.time()
     mesh = population_mesh()
     rng = np.random.default_rng(args.seed)
@@ -3004,6 +3013,313 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
             for kind in group:
                 time_generation(kind, generation)
     return print_benchmark(args, kinds, rounds, bare, notes, mesh)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU target: the program a GPU would run, compiled here without one ("deviceless": XLA's whole
+# GPU pipeline on a topology read from targets/, no autotuning, nothing timed), its kernels read
+# from the compiled HLO and costed by a stated model.
+
+TARGET_FILES = {"h100": "targets/h100_sxm.txtpb"}  # GpuTargetConfigProto text, beside run.py
+
+
+class Roofline(NamedTuple):
+    """The cost model's device. A kernel costs max(its bytes / hbm, its MACs / int8_macs) + launch:
+    HBM and tensor cores overlap, caches and on-chip reuse are ignored, and every kernel pays one
+    launch (XLA's command buffers can hide some of it on a real GPU)."""
+
+    name: str
+    hbm: float  # bytes/s of device memory
+    int8_macs: float  # dense int8 multiply-accumulates/s on the tensor cores
+    launch: float  # seconds a kernel costs beyond its work (launch and tail), an assumption
+
+
+# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC); 3 us a
+# kernel is the order of back-to-back small kernels on any recent GPU
+ROOFLINES = {"h100": Roofline("H100 SXM", 3.35e12, 1979e12 / 2, 3e-6)}
+
+
+def target_mesh(target: str, devices: int) -> jax.sharding.Mesh:
+    """A mesh of `devices` GPUs of the target, for compiling only (nothing can run on it)."""
+    from jax.experimental import topologies
+
+    text = (Path(__file__).resolve().parent / TARGET_FILES[target]).read_text()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=text, topology=f"1x1x{devices}"
+        )
+    except Exception as error:  # JAX without its CUDA plugin (jax[cuda12]): no GPU compiler here
+        raise UserError(
+            f"--target {target}: JAX cannot compile for it here ({str(error).splitlines()[0]})"
+        ) from None
+    return jax.sharding.Mesh(np.array(topology.devices), (POP,))
+
+
+def abstract_inputs(args: Args, cfg: Config, mesh) -> tuple:
+    """The generation step's arguments as shapes with their shardings on the mesh (no arrays)."""
+    settings = replica_settings(args)
+    carry = jax.eval_shape(lambda: init_run(cfg, [s["seed"] for s in settings]))
+    everywhere, spread = (jax.sharding.NamedSharding(mesh, spec) for spec in (REPLICATED, SPREAD))
+
+    def shaped(x, sharding=everywhere):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    params, opt, states = carry
+    batch = jax.ShapeDtypeStruct(
+        (cfg.population // cfg.group_size, cfg.tokens + 1), jnp.uint8, sharding=everywhere
+    )
+    inputs = replica_inputs(dataclasses.replace(args, num_epochs=1), cfg, settings, 0)
+    generation = jax.ShapeDtypeStruct((), jnp.int32, sharding=everywhere)
+    return (
+        *jax.tree.map(shaped, (params, opt)),
+        shaped(states, spread),
+        batch,
+        generation,
+        *map(shaped, inputs),
+    )
+
+
+class Kernel(NamedTuple):
+    """One kernel of a compiled GPU program, as its HLO shows it."""
+
+    name: str
+    kind: str  # "gemm" (a dot), "fusion", "copy", "collective" or another HLO opcode
+    loop: str  # the innermost named loop it runs in: "" (none), "tokens" or "layers" (named scopes)
+    runs: int  # times it runs per generation: the trip counts of the loops around it
+    bytes: int  # read and written per run, from its operands' and results' shapes
+    macs: int  # multiply-accumulates per run (a gemm's dot)
+    shapes: str  # a gemm's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
+
+
+HLO_DTYPE_BYTES = {**DTYPE_BYTES, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+# opcodes that launch nothing on a GPU (bookkeeping, aliases, loop control, the second half of async pairs)
+NO_KERNEL = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done",
+    "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "async-update",
+}  # fmt: skip
+HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+
+
+class Instruction(NamedTuple):
+    name: str
+    shapes: list  # [(dtype, dims)] of its result (several for a tuple)
+    opcode: str
+    operands: list  # names
+    attributes: str  # everything after the operands
+
+
+def hlo_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [
+        (t, tuple(int(d) for d in dims.split(",") if d))
+        for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text)
+    ]
+
+
+def hlo_bytes(shapes) -> int:
+    return sum(HLO_DTYPE_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in shapes)
+
+
+def hlo_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
+    """{computation: its instructions} of a compiled module's text, and the entry computation's name."""
+    computations, current, entry = {}, None, ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            current, computations[head.group(2)] = head.group(2), []
+            entry = head.group(2) if head.group(1) else entry
+        elif current and (match := HLO_INSTRUCTION.match(line)):
+            rest, depth, end = match.group(4), 1, 0
+            while depth and end < len(rest):  # the operands end at the matching parenthesis
+                depth += {"(": 1, ")": -1}.get(rest[end], 0)
+                end += 1
+            operands = re.findall(r"%([\w.\-]+)", rest[: end - 1])
+            shapes = hlo_shapes(match.group(2))
+            computations[current].append(
+                Instruction(match.group(1), shapes, match.group(3), operands, rest[end:])
+            )
+    return computations, entry
+
+
+def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
+    """(kind, bytes, MACs, gemm shapes) of a fused kernel: each parameter read whole, except one
+    that is only sliced (its slices are read) or updated in place (not read); the result written,
+    less what an in-place update leaves untouched."""
+    named = {x.name: x for x in body}
+    parameters = [x for x in body if x.opcode == "parameter"]
+    total = hlo_bytes(result)
+    for parameter in parameters:
+        users = [x for x in body if parameter.name in x.operands]
+        if users and all(
+            u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == parameter.name
+            for u in users
+        ):
+            total += sum(hlo_bytes(u.shapes) for u in users)
+        elif users and all(
+            u.opcode == "dynamic-update-slice" and u.operands[0] == parameter.name for u in users
+        ):
+            total -= sum(hlo_bytes(u.shapes) - hlo_bytes(named[u.operands[1]].shapes) for u in users)
+        else:
+            total += hlo_bytes(parameter.shapes)
+    macs, shapes = 0, ""
+    for dot in (x for x in body if x.opcode == "dot"):
+        lhs, rhs = (named[o].shapes[0] for o in dot.operands[:2])
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes).group(1)
+        macs += math.prod(dot.shapes[0][1]) * math.prod(lhs[1][int(d)] for d in contracting.split(",") if d)
+        shapes = " x ".join(f"{t}[{','.join(map(str, d))}]" for t, d in (lhs, rhs))
+        shapes += f" -> {dot.shapes[0][0]}[{','.join(map(str, dot.shapes[0][1]))}]"
+    return ("gemm" if macs else "fusion"), total, macs, shapes
+
+
+def gpu_kernels(hlo: str) -> list[Kernel]:
+    """Every kernel a compiled GPU program launches, with how often per call: while loops multiply
+    by their known trip counts, and a loop's name comes from the named scope of its scan."""
+    computations, entry = hlo_computations(hlo)
+    found = []
+
+    def called(x: Instruction, key: str) -> str:
+        return re.search(key + r"=%([\w.\-]+)", x.attributes).group(1)
+
+    def walk(computation: str, runs: int, loop: str) -> None:
+        shapes = {x.name: x.shapes for x in computations[computation]}
+        for x in computations[computation]:
+            if x.opcode == "while":
+                trips = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
+                path = re.search(r'op_name="([^"]*)"', x.attributes)
+                scope = path.group(1).rsplit("/", 2)[-2] if path else ""
+                named = "layers" if "layers" in scope else "tokens" if "tokens" in scope else loop
+                walk(called(x, "body"), runs * trips, named)
+                walk(called(x, "condition"), runs * trips, named)
+            elif x.opcode == "call":
+                walk(called(x, "to_apply"), runs, loop)
+            elif x.opcode == "fusion":
+                kind, size, macs, gemm = fusion_cost(computations[called(x, "calls")], x.shapes)
+                found.append(Kernel(x.name, kind, loop, runs, size, macs, gemm))
+            elif x.opcode not in NO_KERNEL:
+                kind = (
+                    "collective"
+                    if x.opcode.startswith(COLLECTIVE_OPS)
+                    else "copy"
+                    if "copy" in x.opcode
+                    else x.opcode
+                )
+                size = hlo_bytes(x.shapes) + sum(hlo_bytes(shapes.get(o, [])) for o in x.operands)
+                found.append(Kernel(x.name, kind, loop, runs, size, 0, ""))
+
+    walk(entry, 1, "")
+    return found
+
+
+def modeled_seconds(kernels: list[Kernel], roofline: Roofline) -> float:
+    """The cost model's time of one call of the program (Roofline)."""
+    return sum(
+        k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch) for k in kernels
+    )
+
+
+def roofline_bytes(cfg: Config) -> tuple[float, float]:
+    """(training, inference) bytes a token costs each member at the least (docs/design.org's
+    roofline): the weights once per device's members, every product's int8 input and output, the
+    state and the residual stream (22 n a layer, 2 n + 2 x 256 around them); in training also half
+    its pair's rank-r factors and its own perturbed vectors."""
+    n, layers, members = cfg.n_embd, cfg.n_layer, cfg.population // cfg.devices
+    weights = num_parameters(cfg) / members
+    activations = 22 * n * layers + 2 * n + 2 * VOCAB
+    # one pair's A and B: 4 n x n and 2 n x 4n matrices a layer; a row of the embedding's A, its B, the head's
+    factors = cfg.rank * (layers * (4 * 2 * n + 2 * 5 * n) + (1 + n) + (VOCAB + n))
+    vectors = (4 * layers + 1) * n
+    return weights + activations + factors / 2 + vectors, weights + activations
+
+
+def describe_program(kernels: list[Kernel], cfg: Config, tokens_per_call: int) -> dict:
+    """What a compiled generation's kernels add up to (the figures target_report prints)."""
+    members = cfg.population // cfg.devices * cfg.replicas
+    in_tokens = [k for k in kernels if k.loop in ("tokens", "layers")]
+    per_token = sum(k.runs for k in in_tokens) / cfg.tokens
+    per_layer = sum(k.runs for k in kernels if k.loop == "layers") / (cfg.tokens * cfg.n_layer)
+    kinds = {}
+    for k in kernels:
+        kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
+    return {
+        "kernels": sum(k.runs for k in kernels),
+        "kinds": kinds,
+        "per_token": per_token,
+        "per_layer": per_layer,
+        "bytes_per_token_member": sum(k.runs * k.bytes for k in in_tokens) / (cfg.tokens * members),
+        "tokens_per_call": tokens_per_call,
+    }
+
+
+@contextmanager
+def without_compilation_cache():
+    """JAX's persistent cache cannot load a program compiled without its device back: keep such
+    programs out of it."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def compile_target(args: Args, part: str):
+    """(compiled program, config, compile seconds) of a generation step for --target."""
+    mesh = target_mesh(args.target, args.target_devices)
+    cfg = make_config(dataclasses.replace(args, cpu_devices=1), mesh.size)  # GPUs: each counts as one
+    check_ranges(cfg)
+    tick = time.time()
+    with without_compilation_cache():
+        compiled = make_generation_step(cfg, mesh, part).lower(*abstract_inputs(args, cfg, mesh)).compile()
+    return compiled, cfg, time.time() - tick
+
+
+def target_report(args: Args) -> dict:
+    """--benchmark --target: compile the training and inference steps for the target GPU(s) and
+    print what the compiled programs show and what the cost model says they take. Returns the
+    figures (for the tests)."""
+    check_args(args)
+    roofline = ROOFLINES[args.target]
+    train, cfg, seconds = compile_target(args, "train")
+    infer = compile_target(args, "inference")[0]
+    tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
+    kernels = {"training": gpu_kernels(train.as_text()), "inference": gpu_kernels(infer.as_text())}
+    figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
+    for part, found in kernels.items():
+        figures[part]["seconds"] = modeled_seconds(found, roofline)
+        figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
+    figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
+    return figures | {"cfg": cfg}
+
+
+def print_target_report(
+    args: Args, cfg: Config, roofline: Roofline, seconds: float, kernels, figures
+) -> None:
+    t, i = figures["training"], figures["inference"]
+    least = roofline_bytes(cfg)
+    best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
+    largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
+    kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
+    gemms = sorted({(k.shapes, k.loop or "once") for k in kernels if k.kind == "gemm"})
+    lines = [
+        f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's GPU "
+        f"pipeline, untuned GEMM tiles); model {args.n_embd}D-{args.n_layer}L; population "
+        f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in {seconds:.1f} s",
+        f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",
+        "largest kernels by bytes: " + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
+        f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
+        f"kernels per token: {t['per_token']:.0f} ({t['per_layer']:.0f} in each layer)",
+        "GEMMs: " + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
+        f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "
+        f"inference {i['bytes_per_token_member']:,.0f} B (roofline {least[1]:,.0f} B)",
+        f"modeled training tokens/s: {t['tokens_per_s']:,.0f} ({t['seconds'] * 1e3:,.2f} ms a generation, "
+        f"modeled; {t['tokens_per_s'] / best[0]:.0%} of the roofline's {best[0]:,.0f})",
+        f"modeled inference tokens/s: {i['tokens_per_s']:,.0f} ({i['seconds'] * 1e3:,.2f} ms, modeled; "
+        f"roofline {best[1]:,.0f}); training / inference: {t['tokens_per_s'] / i['tokens_per_s']:.0%}",
+        f"cost model: each kernel max(bytes / {roofline.hbm / 1e12:.2f} TB/s, MACs / "
+        f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
+    ]
+    print("\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------------------
