@@ -1923,6 +1923,18 @@ def load_checkpoint(folder: Path, cfg: Config):
     return params, states, opt, meta
 
 
+def checkpoint_digest(folder: Path) -> str:
+    """SHA-256 (first 16 hex digits) of a checkpoint's parameters, hidden states and update rule
+    state, each file's arrays in sorted order: equal digests, bit-identical training."""
+    digest = hashlib.sha256()
+    for name in ("params.npz", "states.npz", "optimizer.npz"):
+        if (folder / name).exists():
+            with np.load(folder / name) as f:
+                for key in sorted(f.files):
+                    digest.update(f[key].tobytes())
+    return digest.hexdigest()[:16]
+
+
 def checkpoints_in(save_dir: Path) -> list[Path]:
     """Periodic checkpoint folders, oldest first."""
     return sorted(p for p in save_dir.glob("gen-*") if p.is_dir())
@@ -3308,7 +3320,8 @@ def print_target_report(
         f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",
         "largest kernels by bytes: " + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
         f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
-        f"kernels per token: {t['per_token']:.0f} ({t['per_layer']:.0f} in each layer)",
+        f"kernels per token: {t['per_token']:.0f} "
+        + (f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(no layer loop left)"),
         "GEMMs: " + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
         f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "
         f"inference {i['bytes_per_token_member']:,.0f} B (roofline {least[1]:,.0f} B)",

@@ -21,7 +21,8 @@ Upstream's numbers are reported as it prints them. Its validation metric reads a
 lower than exact (its integer log-softmax truncates). It prints a generation's throughput every 10th
 generation only (0, 10, 20, ...; validation excluded): its s/generation is the mean over those,
 without generation 0. Ours come from its metrics.jsonl (every generation but the first, which
-compiles). Peak RSS is each run's own (os.wait4), not the machine's.
+compiles). The median s/generation is printed too: on a shared machine it moves less than the mean.
+Peak RSS is each run's own (os.wait4), not the machine's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,8 +82,9 @@ class Args:
 class Side:
     name: str  # "upstream" or "ours"
     validation: dict[int, float]  # generation -> validation bits/byte, as printed or logged
-    seconds_per_generation: float
-    tokens_per_second: float
+    seconds_per_generation: float  # mean over the generations timed
+    median_seconds_per_generation: float  # their median: less moved by other load on the machine
+    tokens_per_second: float  # tokens evaluated per generation / mean seconds per generation
     peak_rss_gib: float
     wall_seconds: float
     log: Path
@@ -141,8 +144,11 @@ def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
     rates = [float(x) for x in re.findall(r"throughput: (\S+)", text)][1:]  # without generation 0
     population, tokens = population_and_tokens(shlex.split(args.flags))
     per_generation = population * tokens  # tokens one generation evaluates (one CPU device)
-    seconds = sum(per_generation / r for r in rates) / len(rates) if rates else float("nan")
-    return Side("upstream", validation, seconds, per_generation / seconds, rss, wall, log)
+    seconds = [per_generation / r for r in rates] or [float("nan")]
+    mean = statistics.mean(seconds)
+    return Side(
+        "upstream", validation, mean, statistics.median(seconds), per_generation / mean, rss, wall, log
+    )
 
 
 def run_ours(args: Args, work: Path, common: list[str]) -> Side:
@@ -155,9 +161,10 @@ def run_ours(args: Args, work: Path, common: list[str]) -> Side:
     lines = [json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()]
     validation = {x["generation"]: x["val/bits_per_byte"] for x in lines if "val/bits_per_byte" in x}
     timed = [x for x in lines if x["generation"] > 1]  # the first generation compiles
-    seconds = sum(x["perf/seconds"] for x in timed) / len(timed)
-    tokens = sum(x["perf/tokens_per_s"] * x["perf/seconds"] for x in timed)
-    return Side("ours", validation, seconds, tokens / (seconds * len(timed)), rss, wall, log)
+    seconds = [x["perf/seconds"] for x in timed]
+    tokens = sum(x["perf/tokens_per_s"] * x["perf/seconds"] for x in timed)  # tokens of every timed one
+    mean = statistics.mean(seconds)
+    return Side("ours", validation, mean, statistics.median(seconds), tokens / sum(seconds), rss, wall, log)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,7 +175,8 @@ def describe(side: Side) -> str:
     curve = "  ".join(f"{g}: {v:.4f}" for g, v in sorted(side.validation.items()))
     return (
         f"{side.name:9} {side.tokens_per_second:>10,.0f} tokens/s"
-        f"  {side.seconds_per_generation:.4f} s/generation  peak RSS {side.peak_rss_gib:.2f} GiB"
+        f"  {side.seconds_per_generation:.4f} s/generation (median {side.median_seconds_per_generation:.4f})"
+        f"  peak RSS {side.peak_rss_gib:.2f} GiB"
         f"  wall {side.wall_seconds:.0f} s\n"
         f"{'':9} validation bits/byte by generation: {curve}"
     )
@@ -182,6 +190,7 @@ def write_jsonl(path: str, side: Side, args: Args) -> None:
             f.write(json.dumps(tag | {"generation": generation, "val/bits_per_byte": value}) + "\n")
         summary = {
             "perf/seconds_per_generation": side.seconds_per_generation,
+            "perf/median_seconds_per_generation": side.median_seconds_per_generation,
             "perf/tokens_per_s": side.tokens_per_second,
             "perf/peak_rss_gib": side.peak_rss_gib,
             "perf/wall_seconds": side.wall_seconds,

@@ -1,0 +1,197 @@
+"""What a machine with an NVIDIA GPU can tell that no other can, in one run of under 10 minutes:
+
+1. the tests whose arithmetic runs on the device (the forward pass against the integer reference,
+   the step, the update, the noise), on the GPU;
+2. the same small training run on the GPU and on the CPU: their checkpoints must be bit-identical
+   (all arithmetic is integer; any difference is a bug);
+3. --benchmark at 64D-2L population 4096 and 256D-6L populations 1024 and 32768, each beside what
+   --benchmark --target h100 models for it;
+4. one generation of each of those configurations profiled kernel by kernel (JAX's profiler),
+   beside the cost model's time for the same kernels of the same compiled program;
+and prints the measured tables last.
+
+    python scripts/gpu_check.py                        # on the GPU machine, from the repository root
+    python scripts/gpu_check.py --platform cpu --quick   # its CPU part (what the tests run)
+
+A GPU image may lack run.py's command-line packages: carry them as wheels (the device tool's
+README), e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl tyro
+docstring-parser shtab typeguard` here, installed there with `pip install --no-index .whl/*`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ["tests/test_model_reference.py", "tests/test_step.py", "tests/test_update.py", "tests/test_noise.py"]
+SMALL_RUN = (
+    "--data tests/data/words.txt --n_embd 16 --n_layer 2 --parallel_generations_per_gpu 64 --group_size 4 "
+    "--tokens_per_update 16 --validation_batch_size 8 --validation_tokens 32 --num_epochs 20 --save_every 20"
+).split()
+BENCHMARKS = {  # name: (flags, timed generations)
+    "64D-2L, population 4096": ("--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 4096".split(), 10),
+    "256D-6L, population 1024": ("--parallel_generations_per_gpu 1024".split(), 5),
+    "256D-6L, population 32768": ("--parallel_generations_per_gpu 32768 --group_size 512".split(), 3),
+}
+QUICK_BENCHMARKS = {
+    "16D-1L, population 64": ("--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64".split(), 2)
+}
+
+
+@dataclass(frozen=True)
+class Args:
+    platform: str = "cuda"
+    """the platform under test (cpu: this script's own check, on any machine)"""
+    quick: bool = False
+    """a tiny benchmark and profile instead of the three configurations (for the tests)"""
+    skip_tests: bool = False
+    """leave out step 1"""
+    out: str = ""
+    """folder for the logs and traces (default: a new temporary folder)"""
+
+
+def run_module():
+    """run.py, imported (importing it does nothing)."""
+    sys.path.insert(0, str(ROOT))
+    import run  # noqa: PLC0415
+
+    return run
+
+
+def run_py(*flags: str, platform: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python run.py FLAGS on `platform`, from the repository root."""
+    environment = {**os.environ, **(env or {}), "JAX_PLATFORMS": platform}
+    command = [sys.executable, str(ROOT / "run.py"), "--platform", platform, *flags]
+    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
+
+
+def same_training(platform: str, out: Path) -> tuple[str, str]:
+    """(digest on `platform`, digest on the CPU) of the same 20 generations."""
+    digests = []
+    for side, where in (("device", platform), ("reference", "cpu")):
+        runs = out / f"runs-{side}"
+        split = ["--cpu_devices", "1"] if where == "cpu" else []
+        done = run_py(
+            *SMALL_RUN, *split, "--runs_dir", str(runs), "--dir_path", str(out / "cache"), platform=where
+        )
+        if done.returncode:
+            raise SystemExit(f"training on {where} failed:\n{done.stderr[-3000:]}")
+        (folder,) = runs.glob("*/checkpoints/gen-00000020")
+        digests.append(run_module().checkpoint_digest(folder))
+    return digests[0], digests[1]
+
+
+def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
+    """(measured table lines, modeled report lines) of one configuration."""
+    measured = run_py("--benchmark", *flags, "--num_epochs", str(generations), platform=platform)
+    modeled = run_py("--benchmark", "--target", "h100", *flags, platform="cpu")
+    for done in (measured, modeled):
+        if done.returncode:
+            raise SystemExit(f"--benchmark {' '.join(flags)} failed:\n{done.stderr[-3000:]}")
+    keep = ("device:", "a training", "b fitness", "c inference", "training / inference")
+    table = [line for line in measured.stdout.splitlines() if line.startswith(keep)]
+    report = [
+        line
+        for line in modeled.stdout.splitlines()
+        if line.startswith(("kernels per", "bytes per", "modeled"))
+    ]
+    return table, report
+
+
+def kernel_times(trace: Path) -> dict[str, float]:
+    """{kernel: microseconds} summed over a Perfetto trace's device events (JAX's profiler): the
+    complete events of every process named /device:..., by name."""
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
+    }
+    totals = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in devices:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+    return totals
+
+
+def profile_generation(
+    flags: list[str], platform: str, out: Path
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One training generation profiled: ({kernel: measured us}, {kernel: modeled us}), the modeled
+    times from the cost model of the same compiled program's kernels (--target's, run.py)."""
+    os.environ["JAX_PLATFORMS"] = platform
+    import jax  # noqa: PLC0415 (after the platform is set)
+    import numpy as np  # noqa: PLC0415
+
+    run = run_module()
+    args = run.parse_args(flags)
+    mesh = run.population_mesh()
+    cfg = run.make_config(args, mesh.size)
+    settings = run.replica_settings(args)
+    carry = run.on_mesh(*run.init_run(cfg, [s["seed"] for s in settings]), mesh)
+    batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
+    batch = run.global_array(batch, mesh, run.REPLICATED)
+    inputs = run.replica_inputs(args, cfg, settings, 0)
+    compiled = run.compile_generation(cfg, mesh, "train", carry, batch, inputs)
+    carry = jax.block_until_ready(compiled.step(*carry, batch, np.int32(0), *inputs))[:3]
+    folder = out / f"trace-{len(list(out.glob('trace-*')))}"
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        jax.block_until_ready(compiled.step(*carry, batch, np.int32(1), *inputs))
+    (trace,) = folder.glob("**/perfetto_trace.json.gz")
+    roofline = run.ROOFLINES["h100"]
+    modeled = {}
+    for k in run.gpu_kernels(compiled.step.as_text()):
+        seconds = k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
+        modeled[k.name.replace(".", "_")] = seconds * 1e6
+    return kernel_times(trace), modeled
+
+
+def compare_kernels(measured: dict[str, float], modeled: dict[str, float], top: int = 12) -> list[str]:
+    """The longest kernels measured, each beside its modeled time (names as XLA gives them)."""
+    lines = [f"{'kernel':44} {'measured us':>12} {'modeled us':>11}"]
+    for name, us in sorted(measured.items(), key=lambda item: -item[1])[:top]:
+        model = next((v for k, v in modeled.items() if name.startswith(k)), float("nan"))
+        lines.append(f"{name[:44]:44} {us:12,.1f} {model:11,.1f}")
+    total_model = sum(modeled.values())
+    lines.append(f"{'all kernels':44} {sum(measured.values()):12,.1f} {total_model:11,.1f}")
+    return lines
+
+
+def main(args: Args) -> int:
+    os.environ["JAX_PLATFORMS"] = args.platform  # before run.py brings JAX in
+    started = time.time()
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    if not args.skip_tests:
+        env = {**os.environ, "JAX_PLATFORMS": args.platform}
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", *TESTS, "-k", "not benchmark"], cwd=ROOT, env=env
+        )
+        results.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
+    device, cpu = same_training(args.platform, out)
+    verdict = "identical" if device == cpu else "DIFFERENT: a bug"
+    results.append(f"20 generations on {args.platform} and on the CPU: {device} / {cpu}, {verdict}")
+    tables = []
+    for name, (flags, generations) in (QUICK_BENCHMARKS if args.quick else BENCHMARKS).items():
+        table, report = benchmark_lines(flags, generations, args.platform)
+        measured, modeled = profile_generation(flags, args.platform, out)
+        tables += [f"== {name}: --benchmark (measured)", *table, "-- --target h100 (modeled)", *report]
+        tables += ["-- one training generation, kernel by kernel", *compare_kernels(measured, modeled)]
+    print("\n".join([*tables, *results, f"(gpu_check: {time.time() - started:.0f} s, logs in {out})"]))
+    return 0 if device == cpu and all("FAILED" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    import tyro
+
+    sys.exit(main(tyro.cli(Args, use_underscores=True)))

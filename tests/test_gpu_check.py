@@ -1,0 +1,47 @@
+"""scripts/gpu_check.py's CPU part: the same training compared bit for bit, a device trace read
+kernel by kernel, and one profiled generation beside the cost model."""
+
+import gzip
+import importlib.util
+import json
+import sys
+
+from helpers import ROOT
+
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+def test_the_same_training_on_two_platforms_is_compared_by_its_checkpoints(tmp_path):
+    device, reference = gpu_check.same_training("cpu", tmp_path)
+    assert device == reference and len(device) == 16
+    assert {p.name for p in tmp_path.glob("runs-*")} == {"runs-device", "runs-reference"}
+
+
+def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "PjitFunction(step)", "dur": 900.0},
+        {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 12.5},
+        {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 7.5},
+        {"ph": "X", "pid": 2, "name": "loop_convert_fusion_1", "dur": 3.0},
+    ]
+    with gzip.open(tmp_path / "t.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = gpu_check.kernel_times(tmp_path / "t.json.gz")
+    assert times == {"gemm_fusion_dot_47": 20.0, "loop_convert_fusion_1": 3.0}
+    lines = gpu_check.compare_kernels(times, {"gemm_fusion_dot_47": 15.0, "loop_convert_fusion_1": 1.0})
+    assert lines[1].split() == ["gemm_fusion_dot_47", "20.0", "15.0"] and lines[-1].split()[-2:] == [
+        "23.0",
+        "16.0",
+    ]
+
+
+def test_one_generation_is_profiled_beside_the_cost_model_of_its_kernels(tmp_path):
+    flags = "--n_embd 8 --n_layer 1 --parallel_generations_per_gpu 16 --group_size 4".split()
+    measured, modeled = gpu_check.profile_generation(flags, "cpu", tmp_path)
+    assert list(tmp_path.glob("trace-0/**/perfetto_trace.json.gz"))
+    assert measured == {}  # a CPU has no device events; a GPU's kernels are listed by name
+    assert modeled and all(us > 0 for us in modeled.values())
