@@ -3300,6 +3300,7 @@ def target_report(args: Args) -> dict:
         figures[part]["seconds"] = modeled_seconds(found, roofline)
         figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
     figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    figures["collectives"] = collective_traffic(train.as_text())
     print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
     return figures | {"cfg": cfg}
 
@@ -3323,6 +3324,8 @@ def print_target_report(
         f"kernels per token: {t['per_token']:.0f} "
         + (f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(no layer loop left)"),
         "GEMMs: " + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
+        "collectives per generation: "
+        + (", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"),
         f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "
         f"inference {i['bytes_per_token_member']:,.0f} B (roofline {least[1]:,.0f} B)",
         f"modeled training tokens/s: {t['tokens_per_s']:,.0f} ({t['seconds'] * 1e3:,.2f} ms a generation, "
