@@ -248,6 +248,11 @@ class Args:
     """number of processes of a multi-host run started by hand"""
     proc_id: Annotated[int, *flag("[0, inf)")] = 0
     """index of this process in a multi-host run started by hand (below --num_procs)"""
+    heartbeat_timeout: Annotated[int, *flag("[2, inf)")] = 30
+    """several processes: seconds without a heartbeat after which a process counts as lost, and the
+    others stop (exit code 75) with its name, the newest checkpoint and the command that resumes.
+    Heartbeats come from a thread of JAX's own, so a process that is slow but alive (compiling,
+    validating, saving) keeps sending them"""
     cpu_devices: Annotated[int, *flag("[0, inf)", why="0: one per core")] = 0
     """on the CPU: the JAX devices this host is split into, each evaluating its share of the
     population on its own (0: one per core, fewer where the share would not hold whole groups; 1
@@ -1192,16 +1197,19 @@ def population_mesh(devices=None) -> jax.sharding.Mesh:
 
 def init_distributed(args: Args) -> None:
     """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
-    jax.distributed itself (SLURM with several tasks, and the other clusters it knows)."""
+    jax.distributed itself (SLURM with several tasks, and the other clusters it knows). A process
+    silent for --heartbeat_timeout seconds counts as lost, and JAX terminates every other one
+    (supervise turns that into one line)."""
     by_hand = bool(args.coord_addr) or args.num_procs > 1
     slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
     if not (by_hand or slurm):
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices; else unused
+    timeout = dict(heartbeat_timeout_seconds=args.heartbeat_timeout)
     if by_hand:
-        jax.distributed.initialize(args.coord_addr, args.num_procs, args.proc_id)
+        jax.distributed.initialize(args.coord_addr, args.num_procs, args.proc_id, **timeout)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeout)
 
 
 def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
@@ -2500,6 +2508,20 @@ def stop_requested(stop: StopSignal) -> bool:
     return bool(np.max(flags))
 
 
+@contextmanager
+def awaiting_jax_verdict(args: Args):
+    """In a run of several processes, an error inside a generation is most often a collective whose
+    peer died (gloo: "connection reset by peer"): before raising it, wait for JAX to name the lost
+    process, which it does by terminating this one within --heartbeat_timeout (supervise reports
+    it). An error that JAX does not follow up is raised as it was."""
+    try:
+        yield
+    except Exception:
+        if jax.process_count() > 1:
+            time.sleep(args.heartbeat_timeout + 10)
+        raise
+
+
 class Run(NamedTuple):
     """What a training run sets up before its first generation."""
 
@@ -2711,6 +2733,46 @@ def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stop
     return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
 
 
+def train_generation(
+    run: Run, compiled: Compiled, programs: tuple, progress: Progress, generation: int, stop, log
+):
+    """One generation, and on the generations the flags say, what follows it: validation (and PBT),
+    diagnostics, a sample, the record's line, a checkpoint. Returns the progress, the metrics, the
+    seconds the step took and whether a stop signal ends the run here."""
+    args, cfg, done = run.args, run.cfg, generation + 1
+    evaluate, probe, record = programs
+    tick = time.time()
+    before = (
+        jax.tree.map(host_copy, progress.carry[0]) if due(args.log_every or 10 * args.debug, done) else None
+    )
+    *carry, fitness, moved = compiled.step(
+        *progress.carry,
+        batch_on_mesh(run, generation),
+        np.int32(generation),
+        *replica_inputs(args, cfg, progress.settings, generation),
+    )
+    fitness, moved = local_copy(fitness, axis=1), host_copy(moved)  # process 0's members: logging only
+    progress, seconds = progress._replace(carry=tuple(carry)), time.time() - tick
+    metrics = generation_metrics(run, progress.settings, fitness, moved, generation, seconds)
+    last = done == args.num_epochs
+    if last or due(args.validate_every, done) or due(args.pbt_every, done):
+        progress, found = validation_phase(run, evaluate, progress, done, log)
+        metrics.update(found)
+    if before is not None:
+        metrics.update(diagnostics_phase(run, probe, progress.carry[0], before, progress.settings, done, log))
+    if due(args.sample_every, done):
+        model = replica_of(progress.carry[0], progress.leader)
+        metrics["samples/text"] = text = printable(sample_text(model, cfg, args, args.seed + done))
+        log(f"generation {done} sample: {args.prompt}{text}")
+    record.log(metrics, done)
+    stopping = stop_requested(stop)
+    if last or stopping or due(args.save_every, done):
+        folder = save_progress(run, progress, done)
+        if stopping:  # every process says so: they all stop after the same generation
+            print(f"process {jax.process_index()} stopped by signal after generation {done}: saved {folder}")
+    return progress, metrics, seconds, stopping
+
+
 def train(args: Args) -> dict:
     """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
     from tqdm import tqdm
@@ -2731,50 +2793,21 @@ def train(args: Args) -> dict:
     if run.resumed is not None and run.resumed.changes:
         record.log({"resume/changed": describe_changes(run.resumed.changes)}, start)
     evaluate, probe = make_evaluate(cfg, run.mesh), make_probe(cfg)  # compiled on first use
-    diagnose_every = args.log_every or (10 if args.debug else 0)
     timed, metrics = [], {}
     generations = range(start, args.num_epochs)
     bar = tqdm(generations, initial=start, total=args.num_epochs, dynamic_ncols=True, disable=not run.writer)
     with StopSignal() as stop:
         for generation in bar:
-            done = generation + 1
-            tick = time.time()
-            before = jax.tree.map(host_copy, progress.carry[0]) if due(diagnose_every, done) else None
-            *carry, fitness, moved = compiled.step(
-                *progress.carry,
-                batch_on_mesh(run, generation),
-                np.int32(generation),
-                *replica_inputs(args, cfg, progress.settings, generation),
-            )
-            fitness, moved = (
-                local_copy(fitness, axis=1),
-                host_copy(moved),
-            )  # process 0's members: logging only
-            progress, seconds = progress._replace(carry=tuple(carry)), time.time() - tick
+            with awaiting_jax_verdict(args):
+                progress, metrics, seconds, stopping = train_generation(
+                    run, compiled, (evaluate, probe, record), progress, generation, stop, log
+                )
             if generation == start:
                 log(f"first generation done {time.time() - started:.1f} s after start")
             else:
                 timed.append(seconds)
-            metrics = generation_metrics(run, progress.settings, fitness, moved, generation, seconds)
-            last = done == args.num_epochs
-            if last or due(args.validate_every, done) or due(args.pbt_every, done):
-                progress, found = validation_phase(run, evaluate, progress, done, log)
-                metrics.update(found)
-            if before is not None:
-                params = progress.carry[0]
-                metrics.update(diagnostics_phase(run, probe, params, before, progress.settings, done, log))
-            if due(args.sample_every, done):
-                model = replica_of(progress.carry[0], progress.leader)
-                metrics["samples/text"] = text = printable(sample_text(model, cfg, args, args.seed + done))
-                log(f"generation {done} sample: {args.prompt}{text}")
-            record.log(metrics, done)
-            stopping = stop_requested(stop)
-            if last or stopping or due(args.save_every, done):
-                folder = save_progress(run, progress, done)
-                if stopping:  # every process says so: they all stop after the same generation
-                    who = f"process {jax.process_index()}"
-                    tqdm.write(f"{who} stopped by signal after generation {done}: saved {folder}")
-                    break
+            if stopping:
+                break
             bar.set_postfix(progress_postfix(metrics, progress))
     bar.close()
     record.close()
@@ -2989,8 +3022,6 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     skipped is printed with the reason. Peak memory is read after each kind's first generation,
     and the compiled program's temporaries beside it. Returns the tokens/s of each kind timed."""
     check_args(args)
-    if args.target:
-        return target_report(args)
     started = time.time()
     mesh = population_mesh()
     rng = np.random.default_rng(args.seed)
@@ -3265,13 +3296,16 @@ def describe_program(kernels: list[Kernel], cfg: Config, tokens_per_call: int) -
 @contextmanager
 def without_compilation_cache():
     """JAX's persistent cache cannot load a program compiled without its device back: keep such
-    programs out of it."""
-    before = jax.config.jax_enable_compilation_cache
+    programs out of it (JAX decides once whether it uses the cache; a minimum compile time no
+    compilation reaches keeps the entries from being written either way)."""
+    before = jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+        jax.config.update("jax_enable_compilation_cache", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
 def compile_target(args: Args, part: str):
@@ -3283,26 +3317,6 @@ def compile_target(args: Args, part: str):
     with without_compilation_cache():
         compiled = make_generation_step(cfg, mesh, part).lower(*abstract_inputs(args, cfg, mesh)).compile()
     return compiled, cfg, time.time() - tick
-
-
-def target_report(args: Args) -> dict:
-    """--benchmark --target: compile the training and inference steps for the target GPU(s) and
-    print what the compiled programs show and what the cost model says they take. Returns the
-    figures (for the tests)."""
-    check_args(args)
-    roofline = ROOFLINES[args.target]
-    train, cfg, seconds = compile_target(args, "train")
-    infer = compile_target(args, "inference")[0]
-    tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
-    kernels = {"training": gpu_kernels(train.as_text()), "inference": gpu_kernels(infer.as_text())}
-    figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
-    for part, found in kernels.items():
-        figures[part]["seconds"] = modeled_seconds(found, roofline)
-        figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
-    figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-    figures["collectives"] = collective_traffic(train.as_text())
-    print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
-    return figures | {"cfg": cfg}
 
 
 def print_target_report(
@@ -3336,6 +3350,26 @@ def print_target_report(
         f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
     ]
     print("\n".join(lines))
+
+
+def target_report(args: Args) -> dict:
+    """--benchmark --target: compile the training and inference steps for the target GPU(s) and
+    print what the compiled programs show and what the cost model says they take. Returns the
+    figures (for the tests)."""
+    check_args(args)
+    roofline = ROOFLINES[args.target]
+    train, cfg, seconds = compile_target(args, "train")
+    infer = compile_target(args, "inference")[0]
+    tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
+    kernels = {"training": gpu_kernels(train.as_text()), "inference": gpu_kernels(infer.as_text())}
+    figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
+    for part, found in kernels.items():
+        figures[part]["seconds"] = modeled_seconds(found, roofline)
+        figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
+    figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    figures["collectives"] = collective_traffic(train.as_text())
+    print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
+    return figures | {"cfg": cfg}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3406,14 +3440,103 @@ def enable_compilation_cache(dir_path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
+SUPERVISED = "EGG_JAX_SUPERVISED"  # set in the process a supervisor runs
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
+JAX_TERMINATES = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def several_processes(args: Args) -> bool:
+    return bool(args.coord_addr) or args.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def lost_processes(log: str) -> str:
+    """The processes JAX's log names as lost: 'Task N heartbeat timeout', the unhealthy tasks'
+    list, or the coordinator itself when it is the one that stopped answering."""
+    named = re.findall(r"Task (\d+) heartbeat timeout", log) + re.findall(r"heartbeats\):\s*(\d+)", log)
+    if named:
+        return "process " + ", ".join(map(str, sorted({int(n) for n in named})))
+    return "process 0, the coordinator," if "coordination service" in log else "a process"
+
+
+def relay_stderr(child) -> list[str]:
+    """Pass the child's stderr through as it comes (a progress bar's updates too), but for JAX's
+    account of a lost process: from its first line on, the lines are held and returned."""
+    held, pending, ended = [], b"", True  # ended: the last line written has its newline
+    while chunk := os.read(child.stderr.fileno(), 1 << 16):
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            text = line.decode(errors="replace")
+            jax_error = GLOG_LINE.match(text) and text[0] in "EF" and re.search("coordinat|heartbeat", text)
+            if held or jax_error:
+                held.append(text)
+            else:
+                sys.stderr.buffer.write(line + b"\n")
+                ended = True
+        if pending and not held and not GLOG_LINE.match(pending.decode(errors="replace")):
+            sys.stderr.buffer.write(pending)  # a progress bar's update: no newline
+            pending, ended = b"", False
+        sys.stderr.flush()
+    if not ended:
+        sys.stderr.write("\n")
+    return held
+
+
+def report_lost_process(args: Args, argv: list[str], log: str) -> None:
+    """The supervisor's one line: what JAX says was lost, where its log went, the newest complete
+    checkpoint and the command that resumes."""
+    folder = Path(args.runs_dir) / (args.run_name or default_run_name(args))
+    record = (folder if folder.is_dir() else Path(".")) / f"process-{args.proc_id}-lost.log"
+    write_atomic(record, log.encode())
+    saved, save_dir = checkpoints_in(save_dir_of(args)), save_dir_of(args)
+    newest = f"the newest complete checkpoint is {saved[-1]}" if saved else f"no checkpoint in {save_dir} yet"
+    flags = [word for word in argv if not word.startswith("--resume")]
+    command = " ".join(["python", Path(sys.argv[0]).name, *flags, "--resume", "auto"])
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(
+        f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
+        f"{newest}; resume with: {command}",
+        file=sys.stderr,
+    )
+
+
+def supervise(argv: list[str], args: Args) -> int:
+    """Run this process's share of a several-process run as a child, and stand by. When a process is
+    lost (silent for --heartbeat_timeout s), JAX terminates every other one, printing a C++ stack
+    trace (JAX 0.10.2 offers no setting to do otherwise: docs/design.org); the supervisor keeps
+    JAX's log of it in a file and says instead, in one line, what was lost, the newest complete
+    checkpoint and the command that resumes, exiting EXIT_PROCESS_LOST. Anything else passes
+    through: the child's output and exit code, and the stop signals it is sent."""
+    import subprocess
+
+    env = {**os.environ, SUPERVISED: "1"}
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *argv], env=env, stderr=subprocess.PIPE
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    log = "\n".join(relay_stderr(child))
+    code = child.wait()
+    if JAX_TERMINATES not in log:
+        sys.stderr.write(log + ("\n" if log else ""))
+        return 128 - code if code < 0 else code
+    report_lost_process(args, argv, log)
+    return EXIT_PROCESS_LOST
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
+        if several_processes(args) and SUPERVISED not in os.environ:
+            raise SystemExit(supervise(argv, args))
         select_platform(args.platform)
         args = split_cpu(args)
         enable_compilation_cache(args.dir_path)
-        if args.benchmark:
+        if args.benchmark and args.target:
+            target_report(args)
+        elif args.benchmark:
             benchmark(args, None if flag_given(argv, "num_epochs") else BENCHMARK_SECONDS)
         elif args.sample:
             sample(args)

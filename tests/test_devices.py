@@ -11,6 +11,8 @@ import time
 
 from helpers import ROOT, TINY, checkpoint_digest
 
+import run
+
 # the tiny run, its population given per layout, validated on 6 rows: padded to 8 on 4 devices
 COMMON = [*TINY, "--validation_batch_size", "6"]
 # The defaults exercise the global mean |difference| (normalised fitness), --optimizer momentum's
@@ -31,13 +33,15 @@ def devices_env(devices) -> dict:
 
 def launch(devices, flags, runs):
     """run.py on `devices` virtual CPU devices, or (None) as users start it, with no device count
-    set from outside: it then splits the CPU itself (--cpu_devices)."""
+    set from outside: it then splits the CPU itself (--cpu_devices). In a session of its own, so
+    that a process of several (a supervisor and its child) can be killed as a node is lost."""
     return subprocess.Popen(
         [sys.executable, str(ROOT / "run.py"), *COMMON, "--runs_dir", str(runs), *flags],
         env=devices_env(devices),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
 
 
@@ -221,3 +225,83 @@ def test_only_fitness_crosses_devices_and_the_sharded_programs_have_no_float():
             not fast
         )
         assert max(size for _, size in collectives) < params
+
+
+def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_another_layout(tmp_path):
+    """2 processes x 2 devices, --heartbeat_timeout 5: process 1 (its supervisor and its child) is
+    killed once a checkpoint of generation 8 exists. Process 0 must end within the timeout and a
+    few seconds, exit 75, and say in one line which process was lost, the newest complete
+    checkpoint and the command that resumes; no C++ stack trace, no Python traceback. The run then
+    continues from that checkpoint as 1 process on 1 device, and ends bit-identical to one never
+    interrupted, run as 1 process on 4 devices."""
+    flags = ["--run_name", "r", "--save_every", "4", "--heartbeat_timeout", "5", "--num_epochs", "100000"]
+    procs = two_processes(flags, tmp_path / "lost")
+    checkpoints = tmp_path / "lost" / "r" / "checkpoints"
+    deadline = time.time() + 240
+    while not (checkpoints / "gen-00000008").exists():
+        assert time.time() < deadline and procs[0].poll() is None, "no checkpoint of generation 8 in 240 s"
+        time.sleep(0.05)
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    lost_at = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    seconds = time.time() - lost_at
+    procs[1].communicate(timeout=30)
+    saved = sorted(p.name for p in checkpoints.glob("gen-*"))
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    print(f"process 0 ended {seconds:.1f} s after process 1 was killed, exit {procs[0].returncode}: {line}")
+    assert procs[0].returncode == 75 and seconds < 5 + 10
+    assert "Check failure" not in err and "Traceback" not in err and err.rstrip().endswith(line)
+    assert line.startswith("error: process 1 stopped answering (JAX ended this one at ")
+    assert f"the newest complete checkpoint is {checkpoints / saved[-1]}; resume with: python run.py " in line
+    assert line.endswith("--resume auto") and (tmp_path / "lost" / "r" / "process-0-lost.log").exists()
+    newest = int(saved[-1].split("-")[1])
+    longer = ["--run_name", "r", "--num_epochs", str(newest + 4)]
+    resumed = launch(
+        1, [*longer, "--parallel_generations_per_gpu", "64", "--resume", "auto"], tmp_path / "lost"
+    )
+    reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
+    outs = wait(resumed, reference)
+    assert f"resuming from {checkpoints / saved[-1]} at generation {newest}" in outs[0]
+    assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs[0]
+    hashes = [digest(tmp_path / layout, newest + 4) for layout in ("lost", "reference")]
+    print(f"resumed on 1 device {hashes[0]}, never interrupted on 4 devices {hashes[1]}")
+    assert hashes[0] == hashes[1]
+
+
+SLOW_BUT_ALIVE = """
+import sys, time, numpy as np, jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_seconds=3)
+from jax.experimental import multihost_utils
+multihost_utils.process_allgather(np.array([1]))
+if jax.process_index() == 1:  # busy in Python, the interpreter held, for over three timeouts
+    end = time.time() + 10
+    while time.time() < end:
+        sum(range(1000))
+print(int(multihost_utils.process_allgather(np.array([jax.process_index()])).sum()))
+"""
+
+
+def test_a_process_busy_in_python_is_not_taken_for_lost():
+    """JAX's heartbeats come from a thread of its own: a process that holds the interpreter for
+    10 s (as a long validation or compilation may) is not taken for lost at a 3 s timeout."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SLOW_BUT_ALIVE, address, str(i)],
+            env=devices_env(1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    assert [out.strip().splitlines()[-1] for out in wait(*procs)] == ["1", "1"]
+
+
+def test_the_lost_process_is_named_from_jaxs_log():
+    on_the_coordinator = "E1125 coordination_service.cc:1520] ... UNAVAILABLE: Task 2 heartbeat timeout. This"
+    elsewhere = "The following tasks are unhealthy (stopped sending heartbeats):\n3\nThe tasks have crashed."
+    assert run.lost_processes(on_the_coordinator) == "process 2"
+    assert run.lost_processes(elsewhere + "\n" + elsewhere) == "process 3"
+    assert run.lost_processes("Failed to reach the coordination service") == "process 0, the coordinator,"

@@ -126,8 +126,8 @@ def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
     assert (round(training), round(inference)) == (55_573, 34_964)
 
 
-def test_benchmark_target_reports_the_compiled_program_and_a_modeled_speed(capsys):
-    figures = run.benchmark(tiny_args(*SMALL, "--target", "h100"))
+def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
+    figures = run.target_report(tiny_args(*SMALL, "--target", "h100"))
     out = capsys.readouterr().out
     for line in (
         "kernels per token:",
