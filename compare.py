@@ -7,9 +7,12 @@ trains replicas (--replicas) reports its best replica, and in a second row its m
         --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
 
 Every run is `python run.py FLAGS VARIANT --data CORPUS --seed S`, one after another (each uses the
-whole machine), its metrics read back from its metrics.jsonl. The wall-time column is the last
-validation reached within --wall_seconds of training (compilation and validation excluded), so
-validate often (--validate_every) for it to mean much.
+whole machine), its metrics read back from its metrics.jsonl; a variant whose flags start with
+@backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation on the same
+bytes, e.g. "gru=@backprop --model mingru"). The wall-time column is the last validation reached
+within --wall_seconds of training (compilation and validation excluded), the bytes column the last
+within --train_bytes bytes trained on, so validate often (--validate_every) for them to mean much.
+--plot draws every variant's curves against generations, training seconds and training bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import tyro
 
 ROOT = Path(__file__).resolve().parent
@@ -45,6 +49,10 @@ class CompareArgs:
     """generations between validations of every run"""
     wall_seconds: float = 0.0
     """also report the last validation within this many seconds of training (0: no such column)"""
+    train_bytes: float = 0.0
+    """also report the last validation within this many training bytes (0: no such column)"""
+    plot: str = ""
+    """also draw the validation curves into this PNG file (mean line, spread band per variant)"""
     flags: str = ""
     """run.py flags common to every run"""
     runs_dir: str = "runs/compare"
@@ -76,12 +84,16 @@ def corpus_label(corpus: str) -> str:
 
 
 def read_run(folder: Path) -> dict:
-    """{generation: validation bits/byte}, training seconds to each generation, and baselines."""
+    """{generation: validation bits/byte}, training seconds and bytes to each generation, and
+    baselines."""
     lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     seconds, elapsed, validation, median, baselines = 0.0, {}, {}, {}, {}
+    trained, tokens = 0.0, {}
     for line in lines:
         seconds += line.get("perf/seconds", 0.0) if line["generation"] > 1 else 0.0  # 1 compiles
         elapsed[line["generation"]] = seconds
+        trained += line.get("perf/tokens_per_s", 0.0) * line.get("perf/seconds", 0.0)  # bytes predicted
+        tokens[line["generation"]] = trained
         if "val/bits_per_byte" in line:  # with --replicas: the best replica's
             validation[line["generation"]] = line["val/bits_per_byte"]
             baselines = {k[4:-14]: v for k, v in line.items() if k.endswith("gram_bits_per_byte")}
@@ -90,16 +102,25 @@ def read_run(folder: Path) -> dict:
             ]
             if replicas:
                 median[line["generation"]] = statistics.median(replicas)
-    return {"validation": validation, "median": median, "elapsed": elapsed, "baselines": baselines}
+    return {
+        "validation": validation,
+        "median": median,
+        "elapsed": elapsed,
+        "tokens": tokens,
+        "baselines": baselines,
+    }
 
 
-def at_wall_time(run: dict, seconds: float, key: str = "validation") -> float:
-    """The last validation reached within `seconds` of training."""
-    reached = [g for g in run[key] if run["elapsed"][g] <= seconds]
+def at_wall_time(run: dict, seconds: float, key: str = "validation", clock: str = "elapsed") -> float:
+    """The last validation reached within `seconds` of training (clock "tokens": within so many
+    training bytes)."""
+    reached = [g for g in run[key] if run[clock][g] <= seconds]
     return run[key][max(reached)] if reached else float("nan")
 
 
 def summarise(values: list[float]) -> str:
+    """Mean +- sample sd of the values reached (a run with no validation in time has none: nan)."""
+    values = [v for v in values if v == v]
     if len(values) < 2:
         return f"{values[0]:.3f}" if values else "-"
     return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
@@ -108,6 +129,7 @@ def summarise(values: list[float]) -> str:
 def table(args: CompareArgs, results: dict) -> str:
     """One row per variant, one column per corpus and reporting point, baselines below."""
     columns = [f"gen {g}" for g in args.report_at] + ([f"{args.wall_seconds:g} s"] * bool(args.wall_seconds))
+    columns += [f"{args.train_bytes:.3g} B"] * bool(args.train_bytes)
     header = [f"{'variant':12}"] + [
         f"{corpus_label(c)[:12]} {col:>9}".rjust(22) for c in args.data for col in columns
     ]
@@ -125,6 +147,8 @@ def table(args: CompareArgs, results: dict) -> str:
                     cells.append(summarise([r[key][g] for r in runs if g in r[key]]))
                 if args.wall_seconds:
                     cells.append(summarise([at_wall_time(r, args.wall_seconds, key) for r in runs]))
+                if args.train_bytes:
+                    cells.append(summarise([at_wall_time(r, args.train_bytes, key, "tokens") for r in runs]))
             rows.append(" ".join([f"{label:12}"] + [c.rjust(22) for c in cells]))
     for baseline in ("unigram", "bigram"):
         cells = []
@@ -148,7 +172,10 @@ def compare(args: CompareArgs) -> str:
             results[corpus][name] = []
             for seed in args.seeds:
                 run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
-                command = [sys.executable, str(ROOT / "run.py"), *shlex.split(args.flags), *flags]
+                script, own = (
+                    ("baselines/backprop.py", flags[1:]) if flags[:1] == ["@backprop"] else ("run.py", flags)
+                )
+                command = [sys.executable, str(ROOT / script), *shlex.split(args.flags), *own]
                 command += [*data_flags(corpus), "--seed", str(seed), "--num_epochs", str(args.num_epochs)]
                 command += ["--validate_every", str(args.validate_every), "--runs_dir", runs_dir]
                 command += ["--run_name", run_name, "--save_every", "0"]
@@ -159,7 +186,51 @@ def compare(args: CompareArgs) -> str:
                 results[corpus][name].append(read_run(Path(runs_dir) / run_name))
     text = table(args, results)
     print(text)
+    if args.plot:
+        plot(args, results).savefig(args.plot, dpi=100)
     return text
+
+
+def curve(runs: list[dict], clock: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, sd) of the seeds' validations, at the generations every seed validated; x the mean
+    over the seeds of the clock there (generations, training seconds or bytes)."""
+    shared = sorted(set.intersection(*(set(r["validation"]) for r in runs)))
+    ys = np.array([[r["validation"][g] for g in shared] for r in runs])
+    xs = np.array([[g if clock == "generation" else r[clock][g] for g in shared] for r in runs])
+    return xs.mean(0), ys.mean(0), ys.std(0, ddof=1) if len(runs) > 1 else np.zeros(len(shared))
+
+
+def plot(args: CompareArgs, results: dict):
+    """A figure: one row per corpus, validation bits/byte against generations (steps for the
+    backprop variants), training seconds and training bytes; per variant its mean over the seeds
+    and a band of one standard deviation; unigram and bigram as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clocks = {
+        "generation": "generations (backprop: steps)",
+        "elapsed": "training seconds",
+        "tokens": "training bytes",
+    }
+    figure, axes = plt.subplots(len(args.data), 3, figsize=(15, 4 * len(args.data)), squeeze=False)
+    for row, corpus in zip(axes, args.data, strict=True):
+        baselines = next(iter(results[corpus].values()))[0]["baselines"]
+        for ax, (clock, label) in zip(row, clocks.items(), strict=True):
+            for name, runs in results[corpus].items():
+                x, mean, sd = curve(runs, clock)
+                (line,) = ax.plot(x, mean, label=name)
+                ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+            for baseline, style in (("unigram", ":"), ("bigram", "--")):
+                if baseline in baselines:
+                    ax.axhline(baselines[baseline], color="gray", linestyle=style, label=baseline)
+            ax.set(xlabel=label, ylabel="validation bits/byte", title=corpus_label(corpus))
+            if clock != "generation":
+                ax.set_xscale("log")
+            ax.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
 
 
 if __name__ == "__main__":

@@ -90,3 +90,68 @@ def test_bad_variants_and_reporting_points_are_refused():
         compare.parse_variants(("a=", "a=--alpha 2"))
     with pytest.raises(SystemExit, match="multiple of --validate_every"):
         compare.compare(compare.CompareArgs(report_at=(150,), validate_every=100))
+
+
+def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant(tmp_path):
+    """A run.py variant and the two backprop baselines (baselines/backprop.py) on one corpus: each
+    parses into the table, the training-bytes column reads each run's own bytes, and the plot
+    (written, then read back) has one curve per variant in each of its three panels, besides the
+    unigram and bigram lines."""
+    import matplotlib.image
+
+    corpus = tmp_path / "text_train.bin"
+    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
+    tiny = "--n_embd 8 --n_layer 1 --parallel_generations_per_gpu 16 --tokens_per_update 8"
+    args = compare.CompareArgs(
+        variants=(
+            "es=",
+            "gru=@backprop --model mingru --batch_size 4 --window 16",
+            "tf=@backprop --model transformer --batch_size 4 --window 16",
+        ),
+        data=(str(corpus),),
+        seeds=(0, 1),
+        num_epochs=4,
+        report_at=(4,),
+        validate_every=2,
+        train_bytes=200,
+        flags=f"{tiny} --validation_batch_size 4 --validation_tokens 16 --dir_path {CACHE}",
+        runs_dir=str(tmp_path / "runs"),
+        plot=str(tmp_path / "curves.png"),
+    )
+    text = compare.compare(args)
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[1:]}
+    (folder,) = (tmp_path / "runs").iterdir()
+    for name in ("gru", "tf"):  # 4 x 16 bytes a step: after 3 steps (192 bytes), within 200
+        values = []
+        for seed in (0, 1):
+            lines = [
+                json.loads(x)
+                for x in (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl").read_text().splitlines()
+            ]
+            assert [x["generation"] for x in lines] == [1, 2, 3, 4]
+            values.append(lines[1]["val/bits_per_byte"])  # generation 2: the last validation within 200 bytes
+        assert rows[name][-3:] == f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}".split()
+    assert rows["es"][-1] == "-"  # population 16 x 8 bytes = 128 a generation: no validation within 200
+    image = matplotlib.image.imread(tmp_path / "curves.png")
+    assert image.shape[0] > 200 and image.shape[1] > 600 and image.std() > 0  # drawn, not blank
+
+
+def test_the_plot_draws_each_variants_mean_band_and_the_baselines():
+    run_ = {"validation": {2: 5.0, 4: 4.0}, "elapsed": {2: 1.0, 4: 2.0}, "tokens": {2: 10.0, 4: 20.0}}
+    other = {"validation": {2: 6.0, 4: 5.0}, "elapsed": {2: 1.5, 4: 3.0}, "tokens": {2: 10.0, 4: 20.0}}
+    baselines = {"unigram": 7.0, "bigram": 6.5}
+    results = {
+        "corpus": {
+            "a": [{**run_, "baselines": baselines}, {**other, "baselines": baselines}],
+            "b": [{**run_, "baselines": baselines}],
+        }
+    }
+    args = compare.CompareArgs(variants=("a=", "b="), data=("corpus",), seeds=(0, 1))
+    figure = compare.plot(args, results)
+    for ax in figure.axes:
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels == ["a", "b", "unigram", "bigram"]
+    generations = figure.axes[0].get_lines()[0]
+    assert list(generations.get_xdata()) == [2, 4] and list(generations.get_ydata()) == [5.5, 4.5]
+    seconds = figure.axes[1].get_lines()[0]
+    assert list(seconds.get_xdata()) == [1.25, 2.5]

@@ -1,0 +1,255 @@
+"""Backpropagation baselines on egg-jax's bytes: what a float32 model trained with gradients (optax's
+Adam) reaches on the same training bytes, validated on the very rows run.py validates on.
+
+    python baselines/backprop.py --model mingru --data corpora/english_train.bin \
+        --valid_data corpora/english_valid.bin --n_embd 64 --n_layer 2 --num_epochs 3000 --validate_every 100
+
+- mingru: EGG's model in float32, layer for layer: the byte embedding, n_layer x [L1 layer norm ->
+  minGRU (gate g = sigmoid(Wf a + Uf h + bf), candidate c = tanh(Wh a + Uh (g h) + bh),
+  h' = h + g (c - h)) -> residual; L1 layer norm -> the MLP n -> 4n -> n with no nonlinearity ->
+  residual] -> L1 layer norm -> head, the states restarting at every byte 0; sigmoid and tanh
+  where EGG clips to int8 (the same shapes, smooth enough for gradients). Trained by
+  backpropagation through each window, the states carried from one window to the next.
+- transformer: a pre-norm causal Transformer of the same width and depth (n_embd / 32 heads,
+  learned positions, GELU MLP of 4n), in the spirit of upstream nano-egg's baseline; it sees one
+  window at a time.
+
+Every step trains on --batch_size rows of --window bytes, read like run.py reads its sequences
+(rows at evenly spaced offsets, each advancing a window a step). The flags are run.py's (so that
+one command line serves both, compare.py's --flags included) and these few; those of ES do
+nothing here. A run writes <runs_dir>/<run_name>/metrics.jsonl with run.py's fields (a step is a
+"generation"), which compare.py tables and plots beside run.py's runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import run  # noqa: E402  (run.py's data, validation rows and baselines; importing it does nothing)
+
+
+@dataclass(frozen=True)
+class Args(run.Args):
+    model: Literal["mingru", "transformer"] = "mingru"
+    """what to train: EGG's minGRU in float32, or a causal Transformer of the same width and depth"""
+    batch_size: int = 64
+    """rows a step trains on"""
+    window: int = 128
+    """bytes of each row a step predicts (the Transformer's context)"""
+    learning_rate: float = 2e-3
+    """Adam's step size (gradients clipped to norm 1)"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Models: init(key, args) -> params; forward(params, state, tokens (B, T)) -> (logits (B, T, 256), state)
+
+
+def l1_norm(x, gain):
+    """EGG's layer norm: x / mean |x| times the gain."""
+    return gain * x / (jnp.mean(jnp.abs(x), axis=-1, keepdims=True) + 1e-6)
+
+
+def init_mingru(key, args: Args) -> dict:
+    n, layers = args.n_embd, args.n_layer
+    shapes = dict(Wf=(n, n), Uf=(n, n), Wh=(n, n), Uh=(n, n), W1=(4 * n, n), W2=(n, 4 * n))
+    keys = iter(jax.random.split(key, 2 + len(shapes)))
+    params = {
+        "emb": jax.random.normal(next(keys), (run.VOCAB, n)),
+        "head": jax.random.normal(next(keys), (run.VOCAB, n)) / math.sqrt(n),
+        "ln_out": jnp.ones(n),
+    }
+    for name, (rows, cols) in shapes.items():  # N(0, 1 / n_in), as EGG's products divide by sqrt(n_in)
+        params[name] = jax.random.normal(next(keys), (layers, rows, cols)) / math.sqrt(cols)
+    params.update({name: jnp.ones((layers, n)) for name in ("ln1", "ln2")})
+    params.update({name: jnp.zeros((layers, n)) for name in ("bf", "bh")})
+    return params
+
+
+def mingru_forward(params, h, tokens):
+    """h: (B, L, n) carried states; tokens (B, T). Layer by layer over the window, each layer's
+    recurrence a scan over the bytes (the states restart where the byte is 0)."""
+    x = params["emb"][tokens]  # (B, T, n)
+    reset = (tokens == 0)[..., None]
+    blocks = {k: params[k] for k in ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")}
+
+    def layer(x, inputs):
+        p, h0 = inputs
+        a = l1_norm(x, p["ln1"])
+        f_in, c_in = a @ p["Wf"].T, a @ p["Wh"].T  # the input projections of every byte at once
+
+        def byte(h, xs):
+            f, c, r = xs
+            h = jnp.where(r, 0.0, h)
+            g = jax.nn.sigmoid(f + h @ p["Uf"].T + p["bf"])
+            c = jnp.tanh(c + (g * h) @ p["Uh"].T + p["bh"])
+            h = h + g * (c - h)
+            return h, h
+
+        h, hs = jax.lax.scan(byte, h0, (f_in.swapaxes(0, 1), c_in.swapaxes(0, 1), reset.swapaxes(0, 1)))
+        x = x + hs.swapaxes(0, 1)
+        x = x + (l1_norm(x, p["ln2"]) @ p["W1"].T) @ p["W2"].T
+        return x, h
+
+    x, h = jax.lax.scan(layer, x, (blocks, h.swapaxes(0, 1)))
+    return l1_norm(x, params["ln_out"]) @ params["head"].T, h.swapaxes(0, 1)
+
+
+def init_transformer(key, args: Args) -> dict:
+    n, layers = args.n_embd, args.n_layer
+    keys = iter(jax.random.split(key, 8))
+
+    def dense(rows, cols):
+        return jax.random.normal(next(keys), (layers, rows, cols)) / math.sqrt(cols)
+
+    return {
+        "emb": jax.random.normal(next(keys), (run.VOCAB, n)) * 0.02,
+        "pos": jax.random.normal(next(keys), (args.window, n)) * 0.02,
+        "qkv": dense(3 * n, n),
+        "out": dense(n, n),
+        "fc": dense(4 * n, n),
+        "proj": dense(n, 4 * n),
+        "ln1": jnp.ones((layers, n)),
+        "ln2": jnp.ones((layers, n)),
+        "ln_out": jnp.ones(n),
+        "head": jax.random.normal(next(keys), (run.VOCAB, n)) / math.sqrt(n),
+    }
+
+
+def layer_norm(x, gain):
+    mean, var = jnp.mean(x, -1, keepdims=True), jnp.var(x, -1, keepdims=True)
+    return gain * (x - mean) / jnp.sqrt(var + 1e-5)
+
+
+def transformer_forward(params, state, tokens):
+    """Causal attention within the window (no state carried: `state` passes through)."""
+    batch, length = tokens.shape
+    n = params["emb"].shape[1]
+    heads = max(n // 32, 1)
+    x = params["emb"][tokens] + params["pos"][:length]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+
+    def layer(x, p):
+        q, k, v = jnp.split(layer_norm(x, p["ln1"]) @ p["qkv"].T, 3, axis=-1)
+        q, k, v = (t.reshape(batch, length, heads, n // heads) for t in (q, k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(n // heads)
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, n) @ p["out"].T
+        x = x + jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"].T) @ p["proj"].T
+        return x, None
+
+    blocks = {k: params[k] for k in ("qkv", "out", "fc", "proj", "ln1", "ln2")}
+    x, _ = jax.lax.scan(layer, x, blocks)
+    return layer_norm(x, params["ln_out"]) @ params["head"].T, state
+
+
+MODELS = {"mingru": (init_mingru, mingru_forward), "transformer": (init_transformer, transformer_forward)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Training and validation
+
+
+def bits(logits, targets):
+    """Mean bits per byte of the targets under the logits' softmax."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)) / math.log(2)
+
+
+def make_step(forward, optimizer):
+    @jax.jit
+    def step(params, opt_state, state, window):
+        def loss(params):
+            logits, new_state = forward(params, state, window[:, :-1])
+            return bits(logits, window[:, 1:]), new_state
+
+        (value, new_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.stop_gradient(new_state), value
+
+    return step
+
+
+def validation_bits(forward, params, rows: np.ndarray, args: Args) -> float:
+    """Bits/byte on run.py's validation rows, each from a zero state: the minGRU over the whole row,
+    the Transformer window by window (each a fresh context)."""
+    zero = jnp.zeros((rows.shape[0], args.n_layer, args.n_embd))
+    if args.model == "mingru":
+        logits, _ = jax.jit(forward)(params, zero, jnp.asarray(rows[:, :-1]))
+        return float(bits(logits, jnp.asarray(rows[:, 1:])))
+    total, count, span = 0.0, 0, args.window
+    for start in range(0, rows.shape[1] - 1, span):
+        chunk = jnp.asarray(rows[:, start : start + span + 1])
+        logits, _ = jax.jit(forward)(params, zero, chunk[:, :-1])
+        total += float(bits(logits, chunk[:, 1:])) * (chunk.shape[1] - 1)
+        count += chunk.shape[1] - 1
+    return total / count
+
+
+def train(args: Args) -> dict:
+    """Train --num_epochs steps, validating every --validate_every and at the end; write the run's
+    metrics.jsonl; return the last metrics."""
+    train_bytes, valid_bytes = run.open_data(args)
+    rows = run.validation_rows(valid_bytes, args)
+    baselines = run.cached_baselines(train_bytes, rows, args.dir_path)
+    stride = len(train_bytes) // args.batch_size
+    windows = (stride - 1) // args.window
+    if windows < 1:
+        raise run.UserError(f"--data has {len(train_bytes)} bytes: too short for {args.batch_size} rows")
+    init, forward = MODELS[args.model]
+    params = init(jax.random.key(args.seed), args)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
+    opt_state, step = optimizer.init(params), make_step(forward, optimizer)
+    state = jnp.zeros((args.batch_size, args.n_layer, args.n_embd))
+    name = args.run_name or f"backprop-{args.model}-{Path(args.data).stem}-seed{args.seed}"
+    folder = Path(args.runs_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1) + "\n")
+    starts = np.arange(args.batch_size) * stride
+    metrics = {}
+    with open(folder / "metrics.jsonl", "w") as record:
+        for generation in range(args.num_epochs):
+            offset = (generation % windows) * args.window
+            window = np.asarray(train_bytes[starts[:, None] + offset + np.arange(args.window + 1)])
+            tick = time.time()
+            params, opt_state, state, loss = jax.block_until_ready(step(params, opt_state, state, window))
+            seconds, done = time.time() - tick, generation + 1
+            metrics = {
+                "train/bits_per_byte": float(loss),
+                "perf/seconds": seconds,
+                "perf/tokens_per_s": args.batch_size * args.window / seconds,
+            }
+            if done == args.num_epochs or (args.validate_every and done % args.validate_every == 0):
+                metrics["val/bits_per_byte"] = validation_bits(forward, params, rows, args)
+                metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
+                print(f"step {done}: validation {metrics['val/bits_per_byte']:.3f} bits/byte", flush=True)
+            record.write(json.dumps({"generation": done, **metrics}) + "\n")
+            record.flush()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = tyro.cli(Args, args=argv, use_underscores=True)
+        run.check_range("num_epochs", args.num_epochs)
+        train(args)
+    except run.UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
