@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -2300,7 +2301,13 @@ def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by the model of --resume."""
     if not args.resume:
         raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
-    folder = find_resume(args.resume, save_dir_of(args))[0]
+    for name, facts in flag_facts().items():
+        if facts.ranged():
+            check_range(name, getattr(args, name))
+    found = find_resume(args.resume, save_dir_of(args))
+    if not found:
+        raise UserError(f"--sample --resume {args.resume}: no checkpoint in {save_dir_of(args)}")
+    folder = found[0]
     try:
         meta = json.loads((folder / "meta.json").read_text())
         model = meta["args"]
@@ -3024,6 +3031,8 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     check_args(args)
     started = time.time()
     mesh = population_mesh()
+    if mesh.devices.flat[0].platform != "cpu":  # JAX chose an accelerator: the CPU split does not apply
+        args = dataclasses.replace(args, cpu_devices=1)
     rng = np.random.default_rng(args.seed)
     bare = bare_jax_rss()
     notes = []
@@ -3487,12 +3496,17 @@ def report_lost_process(args: Args, argv: list[str], log: str) -> None:
     """The supervisor's one line: what JAX says was lost, where its log went, the newest complete
     checkpoint and the command that resumes."""
     folder = Path(args.runs_dir) / (args.run_name or default_run_name(args))
-    record = (folder if folder.is_dir() else Path(".")) / f"process-{args.proc_id}-lost.log"
+    process = os.environ.get("SLURM_PROCID", args.proc_id)  # under SLURM --proc_id is not given
+    record = (folder if folder.is_dir() else Path(".")) / f"process-{process}-lost.log"
     write_atomic(record, log.encode())
     saved, save_dir = checkpoints_in(save_dir_of(args)), save_dir_of(args)
     newest = f"the newest complete checkpoint is {saved[-1]}" if saved else f"no checkpoint in {save_dir} yet"
-    flags = [word for word in argv if not word.startswith("--resume")]
-    command = " ".join(["python", Path(sys.argv[0]).name, *flags, "--resume", "auto"])
+    flags, skip = [], False
+    for word in argv:  # every flag but --resume and its value
+        if not skip and not word.startswith("--resume"):
+            flags.append(word)
+        skip = word in ("--resume", "--resume_")
+    command = shlex.join(["python", Path(sys.argv[0]).name, *flags, "--resume", "auto"])
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     print(
         f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
