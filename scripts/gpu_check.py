@@ -13,8 +13,8 @@ and prints the measured tables last.
     python scripts/gpu_check.py                        # on the GPU machine, from the repository root
     python scripts/gpu_check.py --platform cpu --quick   # its CPU part (what the tests run)
 
-A GPU image may lack run.py's command-line packages: carry them as wheels (the device tool's
-README), e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl tyro
+A GPU image may lack run.py's command-line packages: carry them as wheels, e.g.
+`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl tyro
 docstring-parser shtab typeguard` here, installed there with `pip install --no-index .whl/*`.
 """
 
