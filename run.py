@@ -2722,16 +2722,15 @@ def progress_postfix(metrics: dict, progress: Progress) -> dict:
     )
 
 
-def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stop: StopSignal, log) -> dict:
-    """The run's last lines; the last metrics with the parameters (every replica's) on the host."""
+def finish(run: Run, progress: Progress, metrics: dict, timed: list[float], stopped: bool, log) -> dict:
+    """The run's last lines; the last metrics with the parameters (every replica's) on the host.
+    `stopped`: the run ended early because a process received a stop signal (every process agrees)."""
     cfg = run.cfg
     if timed:
         rate = cfg.population * cfg.tokens * cfg.replicas * len(timed) / sum(timed)
         log(f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)")
-    if stop.received == signal.SIGINT:
-        raise SystemExit(130)
     scores, leader = progress.scores, progress.leader
-    if not stop.received:
+    if not stopped:
         which = ""
         if cfg.replicas > 1:
             which = f" (replica {leader} of {cfg.replicas}, {settings_text(progress.settings[leader])})"
@@ -2800,7 +2799,7 @@ def train(args: Args) -> dict:
     if run.resumed is not None and run.resumed.changes:
         record.log({"resume/changed": describe_changes(run.resumed.changes)}, start)
     evaluate, probe = make_evaluate(cfg, run.mesh), make_probe(cfg)  # compiled on first use
-    timed, metrics = [], {}
+    timed, metrics, stopping = [], {}, False
     generations = range(start, args.num_epochs)
     bar = tqdm(generations, initial=start, total=args.num_epochs, dynamic_ncols=True, disable=not run.writer)
     with StopSignal() as stop:
@@ -2818,7 +2817,10 @@ def train(args: Args) -> dict:
             bar.set_postfix(progress_postfix(metrics, progress))
     bar.close()
     record.close()
-    return finish(run, progress, metrics, timed, stop, log)
+    last = finish(run, progress, metrics, timed, stopping, log)
+    if stop.received == signal.SIGINT:  # this process was interrupted: the shell's code for Ctrl-C
+        raise SystemExit(130)
+    return last
 
 
 # ------------------------------------------------------------------------------------------------

@@ -161,6 +161,8 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     assert [s.split(" stopped")[1] for s in stopped] == [stopped[0].split(" stopped")[1]] * 2
     assert sorted(s.split(" stopped")[0] for s in stopped) == ["process 0", "process 1"]
     assert records(tmp_path / "stopped")[-1]["generation"] == generation
+    # process 0, which received no signal, does not claim the run ended at --num_epochs
+    assert not [out for out in outs if "after 100000 generations" in out]
     longer = ["--num_epochs", str(generation + 2)]
     resumed = two_processes([*longer, "--resume", "auto"], tmp_path / "stopped")
     reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
