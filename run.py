@@ -445,20 +445,23 @@ def divide_to_int8(acc, divisor: float):
 
 
 def log2_likelihood(logits, target, tables: Tables):
-    """log2 softmax(logits)[target] at LL_FRAC, integers only. logits: (256,) int8 at LOGIT_FRAC.
+    """log2 softmax(logits)[target] at LL_FRAC, integers only. logits: (..., 256) int8 at LOGIT_FRAC;
+    target (...) of bytes.
 
     With d = max - logits in [0, 254]: sum 2**(-d/16) = sum exp2_frac[d % 16] >> (d // 16), each
     term <= 2**20 and the largest exactly 2**20, so 2**20 <= s <= 2**28. log2 s = e + log2(1 + m)
     with e the top bit (count leading zeros) and m the next MANT_BITS bits, read from a table.
     """
     logits = logits.astype(i32)
-    top = jnp.max(logits)
+    top = jnp.max(logits, axis=-1, keepdims=True)
     d = top - logits
-    s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4))
+    s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4), axis=-1)
     exponent = 31 - jax.lax.clz(s)  # in [20, 28]
     mantissa = (s >> (exponent - MANT_BITS)) - (1 << MANT_BITS)
     log2_s = ((exponent - EXP_FRAC) << LL_FRAC) + jnp.asarray(tables.log2_mant)[mantissa]
-    return ((logits[target] - top) << (LL_FRAC - LOGIT_FRAC)) - log2_s
+    target = jnp.broadcast_to(jnp.asarray(target, i32), logits.shape[:-1])
+    picked = jnp.take_along_axis(logits, target[..., None], axis=-1)
+    return ((picked - top)[..., 0] << (LL_FRAC - LOGIT_FRAC)) - log2_s
 
 
 def shifted(x: int, k: int) -> int:
@@ -507,8 +510,27 @@ def scale_by_root(threshold, s, s_null: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# Model: EGG, an int8 minGRU language model. A "member" is one population member; `nz` is its
-# noise (None for the noise-free model) and `sign` (+1 or -1) its antithetic side.
+# Model: EGG, an int8 minGRU language model, evaluated for many members at once. Activations carry
+# the members' axes (K, R, D, S, ...): replica, repeat (members that share a noise, R > 1 only under
+# --num_perturbations), distinct pair and side (S = 2: side 0 adds its pair's noise, side 1
+# subtracts it; S = 1 for the noise-free model); member p of a replica is p = (r D + d) S + s.
+# Parameters carry K (a single run is K = 1); noise carries (K, D); `nz` is None for the noise-free
+# model. A perturbed vector is built once per generation (perturbed_vector) and read by the model
+# as a member-shaped parameter (K, 1, D, S, n).
+
+
+class Sides(NamedTuple):
+    """How the noise enters the members, broadcast against their axes (K, R, D, S): sign (1, 1, 1, S)
+    int32, +1 or -1 per side; shift (K, 1, 1, 1) int32, each replica's sigma_shift (traced: a shift
+    by an amount known at run time is the same integer operation)."""
+
+    sign: jax.Array
+    shift: jax.Array
+
+
+def make_sides(sigma_shifts, sides: int) -> Sides:
+    """Sides of S = `sides` (2: antithetic pairs, 1: noise-free) for replicas with these sigma_shifts (K,)."""
+    return Sides(jnp.array([1, -1][:sides], i32).reshape(1, 1, 1, sides), sigma_shifts.reshape(-1, 1, 1, 1))
 
 
 def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
@@ -545,81 +567,106 @@ def init_params(cfg: Config, seed):
     return params
 
 
-def vector(p, nz, sign, sigma_shift: int):
-    """A vector parameter with its full-shape perturbation sign * sigma * noise."""
+def members(x):
+    """A replica-shaped array (K, ...) with the members' other axes (R, D, S) inserted, of size 1."""
+    return x[:, None, None, None]
+
+
+def perturbed_vector(p, nz, sides: Sides):
+    """Every member's copy of a vector parameter p (K, ..., n): p + sign * sigma * noise, with nz
+    (K, D, ..., n) its pairs' noise, as (K, 1, D, S, ..., n); p itself, member-shaped, without noise."""
     if nz is None:
-        return p
-    return clip_int8(p.astype(i32) + sign * round_shift(nz, NOISE_FRAC + sigma_shift - WEIGHT_FRAC))
+        return members(p)
+    shift = sides.shift.reshape((-1, 1, 1, 1) + (1,) * (nz.ndim - 2))  # (K, 1, 1, 1, ...)
+    sign = sides.sign.reshape(sides.sign.shape + (1,) * (nz.ndim - 2))
+    noise = round_shift(nz[:, None, :, None], NOISE_FRAC + shift - WEIGHT_FRAC)  # (K, 1, D, 1, ..., n)
+    return clip_int8(members(p).astype(i32) + sign * noise)
 
 
 def chunked_dot(x, b):
-    """x (n,) int8 times b (n, r) int8 -> (r,) int32, as exact int32 sums over chunks of at most 32
-    entries, then a sum of the chunks. Elementwise, so it fuses on any backend; XLA:CPU splits a
-    longer reduction in two passes that store every int32 product, the chunks avoid that."""
+    """x (..., n) int8 times b (..., n, r) int8 -> (..., r) int32, as exact int32 sums over chunks of
+    at most 32 entries, then a sum of the chunks. Elementwise, so it fuses on any backend; XLA:CPU
+    splits a longer reduction in two passes that store every int32 product, the chunks avoid that."""
     n = x.shape[-1]
     chunk = max(c for c in range(1, 33) if n % c == 0)
-    parts = jnp.sum(x.astype(i32).reshape(n // chunk, chunk, 1) * b.reshape(n // chunk, chunk, -1), axis=1)
-    return sum(parts[k] for k in range(n // chunk))
+    lead = x.shape[:-1]
+    products = x.astype(i32).reshape(lead + (n // chunk, chunk, 1)) * b.reshape(
+        b.shape[:-2] + (n // chunk, chunk, -1)
+    )
+    parts = jnp.sum(products, axis=-2)  # (..., n // chunk, r)
+    return sum(parts[..., k, :] for k in range(n // chunk))
 
 
-def matmul(x, w, nz, sign, sigma_shift: int):
-    """x (n,) int8 at any scale s -> x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built.
+def matmul(x, w, nz, sides: Sides):
+    """x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built. x: (K, R, D, S, n) int8 at any
+    scale s; w: (K, m, n); nz: its pairs' low-rank factors A (K, D, m, r), B (K, D, n, r), a full
+    noise (K, D, m, n) under --rank 0, or None. Returns (K, R, D, S, m).
 
-    x W^T accumulates in int32 at scale s * 2**WEIGHT_FRAC. With A (m, r) and B (n, r) at
-    NOISE_FRAC (B already carries 1/sqrt(r)), sigma x E^T in the same units is
-    ((x B) >> NOISE_FRAC) A^T >> sigma_shift. Dividing by sqrt(n) keeps the output's scale ~ s.
+    x W^T accumulates in int32 at scale s * 2**WEIGHT_FRAC. With A and B at NOISE_FRAC (B already
+    carries 1/sqrt(r)), sigma x E^T in the same units is ((x B) >> NOISE_FRAC) A^T >> sigma_shift.
+    Dividing by sqrt(n) keeps the output's scale ~ s.
     """
-    acc = jnp.dot(x, w.T, preferred_element_type=i32)
+    acc = jnp.einsum("krdsn,kmn->krdsm", x, w, preferred_element_type=i32)
+    shift = sides.shift[..., None]
     if isinstance(nz, tuple):
-        a, b = nz
-        u = chunked_dot(x, b) >> NOISE_FRAC  # (r,)
-        acc = acc + (jnp.sum(a * (sign * u), axis=1) >> sigma_shift)
+        a, b = (f[:, None, :, None] for f in nz)  # (K, 1, D, 1, ..., r)
+        u = chunked_dot(x, b) >> NOISE_FRAC  # (K, R, D, S, r)
+        term = jnp.sum(a * (sides.sign[..., None] * u)[..., None, :], axis=-1)
+        acc = acc + (term >> shift)
     elif nz is not None:  # --rank 0: a full (m, n) noise matrix E, one more matmul per member
-        acc = acc + ((sign * jnp.dot(x, nz.T, preferred_element_type=i32)) >> sigma_shift)
+        full = jnp.einsum("krdsn,kdmn->krdsm", x, nz, preferred_element_type=i32)
+        acc = acc + ((sides.sign[..., None] * full) >> shift)
     return divide_to_int8(acc, 2**WEIGHT_FRAC * math.sqrt(x.shape[-1]))
 
 
-def embed(emb, tok, nz, sign, sigma_shift: int):
-    """Row `tok` of the embedding (+ sigma E[tok]), int8 at WEIGHT_FRAC."""
-    if not isinstance(nz, tuple):  # noise-free, or --rank 0: a full (256, n) noise matrix
-        return vector(emb[tok], None if nz is None else nz[tok], sign, sigma_shift)
-    a, b = nz  # a (256, r), b (n, r)
-    pert = jnp.dot(b, a[tok], preferred_element_type=i32)  # (n,) at 2 * NOISE_FRAC
-    return clip_int8(emb[tok].astype(i32) + ((sign * pert) >> (2 * NOISE_FRAC - WEIGHT_FRAC + sigma_shift)))
+def embed(emb, tok, nz, sides: Sides):
+    """Row `tok` of the embedding (+ sigma E[tok]) of every member, int8 at WEIGHT_FRAC. emb (K, 256,
+    n); tok (R, D, S), the same bytes for every replica; returns (K, R, D, S, n)."""
+    rows = emb[:, tok]
+    if nz is None:
+        return rows
+    lookup = tok[None, ..., None, None]  # each member's byte in its pair's noise: (1, R, D, S, 1, 1)
+    if not isinstance(nz, tuple):  # --rank 0: a full (256, n) noise matrix
+        row = jnp.take_along_axis(nz[:, None, :, None], lookup, axis=4)[..., 0, :]
+        shift = sides.shift[..., None]
+        return clip_int8(
+            rows.astype(i32) + sides.sign[..., None] * round_shift(row, NOISE_FRAC + shift - WEIGHT_FRAC)
+        )
+    a, b = nz  # a (K, D, 256, r), b (K, D, n, r)
+    a_tok = jnp.take_along_axis(a[:, None, :, None], lookup, axis=4)  # (K, R, D, S, 1, r)
+    pert = jnp.sum(b[:, None, :, None].astype(i32) * a_tok, axis=-1)  # (K, R, D, S, n) at 2 * NOISE_FRAC
+    shift = sides.shift[..., None] + (2 * NOISE_FRAC - WEIGHT_FRAC)
+    return clip_int8(rows.astype(i32) + ((sides.sign[..., None] * pert) >> shift))
 
 
 def layer_norm(x, gain, tables: Tables):
-    """Integer L1 layer norm: gain * x / mean|x|, int8 at WEIGHT_FRAC (mean |output| ~ gain)."""
-    total = jnp.sum(jnp.abs(x.astype(i32)))  # <= 127 n
+    """Integer L1 layer norm of each row: gain * x / mean|x|, int8 at WEIGHT_FRAC (mean |output| ~
+    gain). x (..., n), gain broadcast against it."""
+    total = jnp.sum(jnp.abs(x.astype(i32)), axis=-1, keepdims=True)  # <= 127 n
     mean = jnp.maximum(divide_to_int8(total, x.shape[-1]).astype(i32), 1)  # floor mean |x|, [1, 127]
     scaled = x.astype(i32) * gain.astype(i32)  # |.| <= 127 * 127 < 2**14
     return clip_int8((scaled * jnp.asarray(tables.recip)[mean]) >> RECIP_BITS)  # < 2**30
 
 
-def block(x, h, p, nz, sign, sigma_shift, cfg: Config, tables: Tables, collect: bool = False):
-    """One minGRU block. x: residual stream (n,) int8 at WEIGHT_FRAC; h: hidden state (n,) int8
-    using the full range (real = q / 127). Returns the new stream and state, and with `collect`
-    the block's int8 activations for diagnostics (else an empty dict)."""
-
-    def nzs(name):
-        return None if nz is None else nz[name]
-
-    def vec(name):
-        return vector(p[name], nzs(name), sign, sigma_shift)
+def block(x, h, p, nz, sides: Sides, cfg: Config, tables: Tables, collect: bool = False):
+    """One minGRU block of every member. x: residual stream (K, R, D, S, n) int8 at WEIGHT_FRAC; h:
+    hidden state, the same shape, using the full range (real = q / 127); p: the layer's matrices
+    (K, m, n) and perturbed vectors (K, 1, D, S, n); nz: the matrices' noise. Returns the new stream
+    and state, and with `collect` the block's int8 activations for diagnostics (else an empty dict)."""
 
     def mm(v, name):
-        return matmul(v, p[name], nzs(name), sign, sigma_shift)
+        return matmul(v, p[name], None if nz is None else nz[name], sides)
 
-    a = layer_norm(x, vec("ln1"), tables)
+    a = layer_norm(x, p["ln1"], tables)
     # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
-    g = clipped_add(mm(a, "Wf"), mm(h, "Uf"), vec("bf")).astype(i32) + INT8_MAX
+    g = clipped_add(mm(a, "Wf"), mm(h, "Uf"), p["bf"]).astype(i32) + INT8_MAX
     gated = ((g * h.astype(i32)) >> GATE_BITS).astype(jnp.int8)
     # candidate: clipping to int8 is the (hard) tanh
-    c = clipped_add(mm(a, "Wh"), mm(gated, "Uh"), vec("bh")).astype(i32)
+    c = clipped_add(mm(a, "Wh"), mm(gated, "Uh"), p["bh"]).astype(i32)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
     x = clipped_add(x, h)
-    a = layer_norm(x, vec("ln2"), tables)
-    hidden = mm(a, "W1")  # (4n,)
+    a = layer_norm(x, p["ln2"], tables)
+    hidden = mm(a, "W1")  # (..., 4n)
     hidden = jnp.maximum(hidden, 0) if cfg.mlp_relu else hidden
     x = clipped_add(x, mm(hidden, "W2"))
     if not collect:
@@ -628,30 +675,27 @@ def block(x, h, p, nz, sign, sigma_shift, cfg: Config, tables: Tables, collect: 
     return x, h, {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
 
 
-def token_logits(params, nz, sign, sigma_shift, h, tok, cfg: Config, tables: Tables, collect: bool = False):
-    """One byte through one member: logits (256,) int8 at LOGIT_FRAC, new states (L, n), and with
-    `collect` the int8 activations of every layer (else an empty dict). The states h restart from
-    zero at byte 0, the separator before every document. sigma_shift: an int, or a traced int32
-    (the same shifts either way)."""
-    h = jnp.where(tok == 0, jnp.zeros_like(h), h)
-
-    def nzs(name):
-        return None if nz is None else nz[name]
-
-    x = embed(params["emb"], tok, nzs("emb"), sign, sigma_shift)
+def token_logits(params, nz, sides: Sides, h, tok, cfg: Config, tables: Tables, collect: bool = False):
+    """One byte through every member: logits (K, R, D, S, 256) int8 at LOGIT_FRAC, new states (L, K,
+    R, D, S, n), and with `collect` the int8 activations of every layer (else an empty dict). params:
+    matrices (K, ...), perturbed vectors member-shaped, block parameters with their layer axis
+    first; tok (R, D, S) uint8. The states restart from zero at byte 0, the separator before every
+    document."""
+    h = jnp.where((tok == 0)[..., None], jnp.zeros_like(h), h)
+    x = embed(params["emb"], tok, None if nz is None else nz["emb"], sides)
     block_params = {k: params[k] for k in BLOCK_NAMES}
-    block_noise = None if nz is None else {k: nz[k] for k in BLOCK_NAMES}
+    block_noise = None if nz is None else {k: nz[k] for k in BLOCK_NAMES if k in nz}
 
     def layer(x, inputs):
         p, n, h_layer = inputs
-        x, h_layer, seen = block(x, h_layer, p, n, sign, sigma_shift, cfg, tables, collect)
+        x, h_layer, seen = block(x, h_layer, p, n, sides, cfg, tables, collect)
         return x, (h_layer, seen)
 
     embedding = x
     with jax.named_scope("layers"):  # names the loop in the compiled program (gpu_kernels reads it)
         x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
-    x = layer_norm(x, vector(params["ln_out"], nzs("ln_out"), sign, sigma_shift), tables)
-    logits = matmul(x, params["head"], nzs("head"), sign, sigma_shift)
+    x = layer_norm(x, params["ln_out"], tables)
+    logits = matmul(x, params["head"], None if nz is None else nz["head"], sides)
     return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
 
 
@@ -755,6 +799,30 @@ def generation_noise(cfg: Config, seed, generation):
 # distinct_pairs), side 0 adds the noise and side 1 subtracts it.
 
 
+def model_inputs(params, noise, sides: Sides) -> tuple[dict, dict | None]:
+    """The parameters and noise as token_logits reads them: matrices (K, ...) with their noise (K, D,
+    ...), each member's perturbed vectors (K, 1, D, S, n), block parameters with their layer axis
+    first (the layer scan then slices them without copies). params: each (K, ...); noise: each (K,
+    D, ...), or None (then so is the noise returned)."""
+    model, model_noise = {}, {}
+    for name in PARAM_NAMES:
+        layered = name in BLOCK_NAMES
+        nz = None if noise is None else noise[name]
+        if name in MATRICES:  # shared by every member of a replica
+            model[name] = jnp.moveaxis(params[name], 1, 0) if layered else params[name]
+            if nz is not None:
+                model_noise[name] = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if layered else nz
+        else:  # each member's own: (K, 1, D, S, [L,] n)
+            vector = perturbed_vector(params[name], nz, sides)
+            model[name] = jnp.moveaxis(vector, 4, 0) if layered else vector  # ([L,] K, 1, D, S, n)
+    return model, (None if noise is None else model_noise)
+
+
+def single(params):
+    """One model's parameters as a run of one replica's (a leading axis of 1)."""
+    return jax.tree.map(lambda p: jnp.asarray(p)[None], params)
+
+
 def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg: Config):
     """Fitness (log2-likelihood sums at LL_FRAC) of every replica's M members, and their new states.
 
@@ -763,69 +831,30 @@ def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg
     inputs, targets (M, T) uint8, the same bytes for every replica; sigma_shifts (K,) int32 (unused
     without noise). Returns fitness (K, M) int32 and the states (K, M, L, n).
 
-    The token scan is outermost and every member axis, the replicas' included, is vmapped inside
-    it with layer axes first, so the layer scan slices its inputs without copies (a vmap over the
-    replicas outside the scans sliced layers off a second axis at every token: 4 replicas of 256
-    ran at 79% of one run of 1024 on a 2-core CPU, against 92% this way). What stays fixed over
-    the tokens is built once: each member's perturbed vectors."""
+    Member p = (r D + d) S + s has the model's axes (R, D, S) by a reshape. States put their layer
+    axis first, so that the layer scan slices them without copies. What stays fixed over the
+    tokens is built once: each member's perturbed vectors (model_inputs)."""
     tables = make_tables(cfg.rank)
     params = jax.tree.map(jnp.asarray, params)
-    replicas, members = states.shape[:2]
-    distinct = 1 if noise is None else jax.tree.leaves(noise)[0].shape[1]
-    layout = (members // (2 * distinct), distinct, 2)  # (repeats, D, sides)
-    signs = jnp.array([1, -1], i32)
-    if sigma_shifts is None:
-        sigma_shifts = jnp.zeros((replicas,), i32)
-
-    def sided(p, nz, sigma_shift):  # one replica's vector, both sides: ([L,] n) -> ([L,] D, 2, n)
-        out = jax.vmap(lambda sign: vector(p, nz, sign, sigma_shift))(signs)  # (2, D, [L,] n)
-        return jnp.moveaxis(out, (0, 1), (-2, -3))
-
-    # per parameter: the arrays the members read, and their axes for the vmaps below (K, then
-    # within a replica the members' D and sides); block parameters keep their layer axis first
-    member_params, member_noise, axes, noise_axes, replica_axes = {}, {}, {}, {}, {}
-    for name in PARAM_NAMES:
-        layer = int(name in BLOCK_NAMES)  # the position of the replica axis once layers come first
-        if noise is None or name in MATRICES:  # shared by every member of a replica
-            member_params[name] = jnp.moveaxis(params[name], 1, 0) if layer else params[name]
-            axes[name], replica_axes[name] = None, layer
-            if noise is None:
-                member_noise[name], noise_axes[name] = None, None
-            else:  # (K, D, [L,] ...) -> ([L,] K, D, ...)
-                member_noise[name] = jax.tree.map(
-                    lambda x, layer=layer: jnp.moveaxis(x, 2, 0) if layer else x, noise[name]
-                )
-                noise_axes[name] = layer
-        else:  # each member's own perturbed vector: ([L,] K, D, 2, n)
-            out = jax.vmap(sided)(params[name], noise[name], sigma_shifts)
-            member_params[name] = jnp.moveaxis(out, 0, 1) if layer else out
-            axes[name] = replica_axes[name] = layer
-            member_noise[name], noise_axes[name] = None, None
-
-    def member(p, nz, sign, h, tok, sigma_shift):
-        logits, h, _ = token_logits(p, nz, sign, sigma_shift, h, tok, cfg, tables)
-        return logits, h
-
-    # h: (L, K, repeats, D, 2, n), mapped on its second axis at every level; tok (repeats, D, 2)
-    by_side = jax.vmap(member, in_axes=(axes, None, 0, 1, 0, None), out_axes=(0, 1))
-    by_pair = jax.vmap(by_side, in_axes=(axes, noise_axes, None, 1, 0, None), out_axes=(0, 1))
-    by_repeat = jax.vmap(by_pair, in_axes=(None, None, None, 1, 0, None), out_axes=(0, 1))
-    by_replica = jax.vmap(by_repeat, in_axes=(replica_axes, noise_axes, None, 1, None, 0), out_axes=(0, 1))
+    replicas, count = states.shape[:2]
+    sides = 1 if noise is None else 2
+    distinct = count // sides if noise is None else jax.tree.leaves(noise)[0].shape[1]
+    layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
+    shifts = jnp.zeros((replicas,), i32) if sigma_shifts is None else sigma_shifts
+    on_sides = make_sides(shifts, sides)
+    model, model_noise = model_inputs(params, noise, on_sides)
 
     def step(h, io):
         tok, target = io
-        logits, h = by_replica(member_params, member_noise, signs, h, tok, sigma_shifts)
-        target = jnp.broadcast_to(target, (replicas,) + target.shape)
-        ll = jax.vmap(log2_likelihood, in_axes=(0, 0, None))(
-            logits.reshape(replicas * members, VOCAB), target.reshape(replicas * members), tables
-        )
-        return h, ll.reshape(replicas, members)
+        logits, h, _ = token_logits(model, model_noise, on_sides, h, tok, cfg, tables)
+        return h, log2_likelihood(logits, target, tables)  # (K, R, D, S)
 
-    h = jnp.moveaxis(states.reshape((replicas,) + layout + states.shape[2:]), 4, 0)  # (L, K, R, D, 2, n)
-    io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))
+    h = jnp.moveaxis(states, 2, 0).reshape((cfg.n_layer, replicas) + layout + (cfg.n_embd,))
+    io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))  # (T, R, D, S)
     with jax.named_scope("tokens"):
         h, ll = jax.lax.scan(step, h, io)
-    return jnp.sum(ll, axis=0), jnp.moveaxis(h, 0, 4).reshape(states.shape)
+    states = jnp.moveaxis(h.reshape((cfg.n_layer, replicas, count, cfg.n_embd)), 0, 2)
+    return jnp.sum(ll, axis=0).reshape(replicas, count), states
 
 
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
@@ -2266,11 +2295,17 @@ def sampling_probabilities(logits, generated, temperature: float, min_p: float, 
 
 @cache
 def make_sampler(cfg: Config):
-    """Noise-free next-byte logits: step(params, h, byte) -> (logits (256,) int8, h)."""
+    """Noise-free next-byte logits: step(params, h (L, n), byte) -> (logits (256,) int8, h)."""
     tables = make_tables(cfg.rank)
+    sides = make_sides(jnp.zeros((1,), i32), 1)
 
     def step(params, h, byte):
-        return token_logits(params, None, 1, 0, h, byte, cfg, tables)[:2]
+        h = h[:, None, None, None, None]  # (L, K, R, D, S, n) of one member
+        tok = jnp.asarray(byte).reshape(1, 1, 1)
+        logits, h, _ = token_logits(
+            model_inputs(single(params), None, sides)[0], None, sides, h, tok, cfg, tables
+        )
+        return logits.reshape(VOCAB), h.reshape(h.shape[0], -1)
 
     return jax.jit(step)
 
@@ -2339,16 +2374,22 @@ def make_probe(cfg: Config):
     """Noise-free forward of a few rows, keeping every int8 activation: probe(params, rows (R, L)
     uint8) -> {name: (R, L, ...) int8}, block activations as (R, L, n_layer, ...)."""
     tables = make_tables(cfg.rank)
+    sides = make_sides(jnp.zeros((1,), i32), 1)
 
     def probe(params, rows):
-        def step(h, tok):
-            _, h, seen = token_logits(params, None, 1, 0, h, tok, cfg, tables, collect=True)
+        model = model_inputs(single(params), None, sides)[0]
+
+        def step(h, tok):  # the rows as the distinct pairs of one replica: (R, D, S) = (1, rows, 1)
+            _, h, seen = token_logits(model, None, sides, h, tok.reshape(1, -1, 1), cfg, tables, collect=True)
             return h, seen
 
-        def row(tokens):
-            return jax.lax.scan(step, jnp.zeros((cfg.n_layer, cfg.n_embd), jnp.int8), tokens)[1]
-
-        return jax.vmap(row)(rows)
+        h = jnp.zeros((cfg.n_layer, 1, 1, rows.shape[0], 1, cfg.n_embd), jnp.int8)
+        seen = jax.lax.scan(step, h, rows.T)[1]  # (L, [n_layer,] 1, 1, R, 1, width)
+        out = {}
+        for name, x in seen.items():
+            x = x.reshape(x.shape[: x.ndim - 5] + (x.shape[-3], x.shape[-1]))  # (L, [n_layer,] R, width)
+            out[name] = jnp.moveaxis(x, -2, 0)  # (R, L, [n_layer,] width)
+        return out
 
     return jax.jit(probe)
 
@@ -3547,7 +3588,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
         if several_processes(args) and SUPERVISED not in os.environ:
             raise SystemExit(supervise(argv, args))
-        select_platform(args.platform)
+        select_platform(args.platform or ("cpu" if args.target else ""))  # --target: nothing runs on it
         args = split_cpu(args)
         enable_compilation_cache(args.dir_path)
         if args.benchmark and args.target:

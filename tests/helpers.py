@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import run
@@ -111,3 +112,42 @@ def checkpoint_digest(folder: Path) -> str:
             with np.load(folder / name) as f:
                 assert all(f[key].dtype == dtype for key in f.files), name
     return run.checkpoint_digest(folder)
+
+
+# One member on its own: run.py's model functions take the members' axes (K, S, R, D); these give
+# them one member (all four of size 1) on the given side, and take its result back out.
+
+
+def member_sides(sign: int, sigma_shift: int) -> run.Sides:
+    return run.Sides(jnp.full((1, 1, 1, 1), sign, jnp.int32), jnp.full((1, 1, 1, 1), sigma_shift, jnp.int32))
+
+
+def pair_axes(nz):
+    """One pair's noise (a tuple of factors, or one array) with the axes (K, D) = (1, 1) in front."""
+    if nz is None:
+        return None
+    return (
+        tuple(jnp.asarray(f)[None, None] for f in nz)
+        if isinstance(nz, tuple)
+        else jnp.asarray(nz)[None, None]
+    )
+
+
+def member_vector(p, nz, sign: int, sigma_shift: int):
+    """run.perturbed_vector of one member: p (n,) with its pair's noise (n,)."""
+    out = run.perturbed_vector(jnp.asarray(p)[None], pair_axes(nz), member_sides(sign, sigma_shift))
+    return np.asarray(out).reshape(np.shape(p))
+
+
+def member_matmul(x, w, nz, sign: int, sigma_shift: int):
+    """run.matmul of one member: x (n,), w (m, n), nz its pair's (A, B), full noise, or None -> (m,)."""
+    x = jnp.asarray(x).reshape(1, 1, 1, 1, -1)
+    out = run.matmul(x, jnp.asarray(w)[None], pair_axes(nz), member_sides(sign, sigma_shift))
+    return np.asarray(out).reshape(-1)
+
+
+def member_embed(emb, tok: int, nz, sign: int, sigma_shift: int):
+    """run.embed of one member reading byte `tok` -> (n,)."""
+    tok = jnp.full((1, 1, 1), tok, jnp.uint8)
+    out = run.embed(jnp.asarray(emb)[None], tok, pair_axes(nz), member_sides(sign, sigma_shift))
+    return np.asarray(out).reshape(-1)

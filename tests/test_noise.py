@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import member_embed, member_matmul, member_vector
 
 import run
 
@@ -88,8 +89,8 @@ def test_noise_reuse():
 def test_antithetic_members_get_opposite_perturbations():
     nz = pair_noise(cfg(), 0, 0)["bf"][0]
     zero = jnp.zeros(16, jnp.int8)
-    plus = np.asarray(run.vector(zero, nz, 1, 4))
-    minus = np.asarray(run.vector(zero, nz, -1, 4))
+    plus = member_vector(zero, nz, 1, 4)
+    minus = member_vector(zero, nz, -1, 4)
     np.testing.assert_array_equal(plus, -minus)
     assert np.any(plus != 0)
 
@@ -111,9 +112,7 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
     for _ in range(40):
         x = rng.integers(-127, 128, 64).astype(np.int8)
         want = x.astype(np.float64) @ w_real.T * 16 / (16 * math.sqrt(64))
-        got = np.asarray(
-            run.matmul(jnp.asarray(x), jnp.asarray(w), (jnp.asarray(a), jnp.asarray(b)), sign, sigma_shift)
-        ).astype(np.float64)
+        got = member_matmul(x, w, (a, b), sign, sigma_shift).astype(np.float64)
         want_int = np.clip(np.floor(want), -127, 127)
         worst = max(worst, np.max(np.abs(got - np.clip(want, -127, 127))))
         exact_share.append(np.mean(got == want_int))
@@ -149,7 +148,7 @@ def test_embedding_perturbation_equals_explicit_row(rank):
     a, b = (np.asarray(x, np.float64) for x in nz)
     explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-sigma_shift * (a @ b.T) / 2**8
     for tok in (0, 65, 255):
-        got = np.asarray(run.embed(params["emb"], tok, nz, 1, sigma_shift))
+        got = member_embed(params["emb"], tok, nz, 1, sigma_shift)
         assert np.max(np.abs(got - np.clip(explicit[tok], -127, 127))) < 1
 
 
@@ -164,7 +163,7 @@ def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
     for _ in range(20):
         x = rng.integers(-127, 128, 64).astype(np.int8)
         want = np.clip(x.astype(np.float64) @ w_real.T / math.sqrt(64), -127, 127)
-        got = np.asarray(run.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(e), sign, sigma_shift))
+        got = member_matmul(x, w, e, sign, sigma_shift)
         assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
     full = pair_noise(c, 0, 0)
     assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)
@@ -272,7 +271,7 @@ def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
     largest = int(np.abs(run.make_tables(1).gauss).max()).bit_length() - (run.NOISE_FRAC - run.WEIGHT_FRAC)
     assert largest == run.flag_facts()["sigma_shift"].high == 6  # the table's largest |entry| is 46 < 2**6
     for shift, perturbed in ((largest, True), (largest + 1, False)):
-        moved = np.asarray(run.vector(zero, table, 1, shift))
+        moved = member_vector(zero, table, 1, shift)
         assert bool(np.any(moved != 0)) is perturbed, shift
     run.check_args(run.Args(sigma_shift=largest))
     with pytest.raises(run.UserError, match="rounds to 0"):
