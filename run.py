@@ -12,10 +12,10 @@ perturbations (noise from a counter-based RNG, never stored), and moves each par
 a test on the fitness-weighted noise passes. One compiled step trains K >= 1 models side by side
 (--replicas): every array of a run has a leading replica axis, and a single run is K = 1.
 
-The file reads top to bottom, one ruler per section: Args, constants, integer math, model, noise,
-ES step, devices, integer ranges, flags, data, baselines, checkpoints, replicas and
-population-based training, sampling, diagnostics, loop, benchmark, GPU target, main. Importing it
-does nothing: `python run.py` calls main().
+The file reads top to bottom, one ruler per section: Args, constants, integer math, model, GPU
+kernels, forward, noise, ES step, devices, integer ranges, flags, data, baselines, checkpoints,
+replicas and population-based training, sampling, diagnostics, loop, benchmark, GPU target,
+main. Importing it does nothing: `python run.py` calls main().
 """
 
 from __future__ import annotations
@@ -217,6 +217,10 @@ class Args:
     init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
     """standard deviation of every matrix's initial entries in int8 steps (real = q / 16): 16 is
     upstream's N(0, 1); 0 starts every matrix at zero"""
+    kernels: Literal["auto", "xla", "pallas"] = "auto"
+    """how the products run: 'pallas', each one Pallas kernel with its rank-1 term, rescale, layer norm
+    and residual add (on a GPU; on the CPU interpreted, slowly, for tests); 'xla', left to XLA;
+    'auto', pallas on a GPU, xla elsewhere. The same bits either way"""
 
     # validation
     validate_every: Annotated[int, *flag("[0, inf)")] = 0
@@ -382,6 +386,8 @@ class Config(NamedTuple):
     mlp_relu: bool
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
     replicas: int  # K: the leading axis of every parameter, state and per-replica input
+    kernels: str  # how products run: "xla", "pallas" (the GPU kernel) or "interpret" (it, on the CPU)
+    noise_per_segment: bool  # build each segment's noise where it is used, twice (a GPU's memory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -648,55 +654,307 @@ def layer_norm(x, gain, tables: Tables):
     return clip_int8((scaled * jnp.asarray(tables.recip)[mean]) >> RECIP_BITS)  # < 2**30
 
 
-def block(x, h, p, nz, sides: Sides, cfg: Config, tables: Tables, collect: bool = False):
-    """One minGRU block of every member. x: residual stream (K, R, D, S, n) int8 at WEIGHT_FRAC; h:
-    hidden state, the same shape, using the full range (real = q / 127); p: the layer's matrices
-    (K, m, n) and perturbed vectors (K, 1, D, S, n); nz: the matrices' noise. Returns the new stream
-    and state, and with `collect` the block's int8 activations for diagnostics (else an empty dict)."""
+# ------------------------------------------------------------------------------------------------
+# GPU kernels: on a GPU each of a layer's products is one Pallas (Triton) kernel that reads its
+# int8 operands once and writes int8: the shared GEMM x W^T, each member's rank-1 term, the rescale
+# to int8 and, where the model has them, the layer norm before it and the residual add after it,
+# all in registers (XLA leaves the int32 GEMM output to a second kernel, which reads it back). The
+# kernel computes exactly what layer_norm, matmul and clipped_add compute (the tests compare them
+# bit for bit, the kernel in Pallas's interpreter on the CPU).
+#
+# Its operands are views of the model's arrays, never copies: the members (K, R, D, S, n) as rows
+# of pairs (K, Q = R D, S n), side s of pair q in the columns [s n, (s + 1) n); block parameters and
+# states whole (L, ...), with the layer read inside the kernel (a slice taken outside would be a
+# copy); matrices that read the same input stacked on a leading axis G (Wf and Wh).
 
-    def mm(v, name):
-        return matmul(v, p[name], None if nz is None else nz[name], sides)
+PRODUCT_KERNEL = "int8_product"  # its name in the compiled program: int8_product_<bytes>_<MACs>
+TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
 
-    a = layer_norm(x, p["ln1"], tables)
+
+def power_of_two(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def product_kernel_takes(pairs: int, distinct: int, m: int, n: int) -> bool:
+    """Whether the kernel takes a product of these shapes: tiles of powers of two >= 16 (Triton's
+    int8 dots), whole tiles of pairs within the distinct ones."""
+    return power_of_two(m) and power_of_two(n) and distinct % 16 == 0 and pairs % distinct == 0
+
+
+def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, interpret: bool):
+    """Every member's int8 product with G matrices: out[g] = x' (W_g + sigma E_g)^T / (16 sqrt(n)), as
+    int8, where x' = layer_norm(x, gain) (with a gain) or x, plus the residual (with one), as
+    matmul, layer_norm and clipped_add compute it.
+
+    x (Lx, K, Q, S n) int8 (Lx = L with x_layered: the states, read at `layer`); w (G, L, K, m, n);
+    a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
+    (K,) int32; layer () int32; gain (L, K, D, S n), (L, K, 1, n) (every row's) or None; residual
+    (K, Q, S m) or None. Returns
+    (G, K, Q, S m). A program computes a tile of pairs and outputs of one side of one matrix."""
+    from jax.experimental import pallas as pl
+
+    layers_x, replicas, pairs, _ = x.shape
+    groups, layers, _, m, n = w.shape
+    sides = x.shape[3] // n
+    noisy = a is not None
+    distinct = a.shape[3] if noisy else pairs
+    rows, columns, depth = (
+        max(t for t in (16, 32, 64) if t <= cap and d % t == 0)
+        for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
+    )
+    pair_tiles, column_tiles = distinct // rows, m // columns
+    divisor = 2**WEIGHT_FRAC * math.sqrt(n)
+
+    def kernel(*refs):
+        refs = list(refs)
+        layer_ref, x_ref, w_ref, out_ref = refs[0], refs[1], refs[2], refs[-1]
+        a_ref, b_ref, shift_ref = refs[3:6] if noisy else (None, None, None)
+        extra = refs[6 if noisy else 3 : -1]
+        gain_ref = extra.pop(0) if gain is not None else None
+        residual_ref = extra.pop(0) if residual is not None else None
+        at = layer_ref[0]
+        x_at = at if x_layered else 0
+        sign = 1 - 2 * pl.program_id(4)
+
+        def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed with a gain
+            chunk = x_ref[x_at, 0, :, pl.ds(k * depth, depth)]
+            if gain is None:
+                return chunk
+            g = gain_ref[at, 0, :, pl.ds(k * depth, depth)].astype(i32)
+            return clip_int8((chunk.astype(i32) * g * recip[:, None]) >> RECIP_BITS)
+
+        if gain is not None:  # layer_norm's mean |x| and its reciprocal round(2**16 / mean), per row
+            total = jax.lax.fori_loop(
+                0,
+                n // depth,
+                lambda k, t: t + jnp.sum(jnp.abs(x_ref[x_at, 0, :, pl.ds(k * depth, depth)].astype(i32)), 1),
+                jnp.zeros((rows,), i32),
+            )
+            mean = jnp.maximum(divide_to_int8(total, n).astype(i32), 1)
+            recip = (2 ** (RECIP_BITS + 1) + mean) // (2 * mean)  # = tables.recip[mean], never a tie
+
+        def accumulate(k, carry):
+            acc, xb = carry
+            chunk = inputs(k)
+            weights = w_ref[0, at, 0, :, pl.ds(k * depth, depth)]
+            acc = acc + jax.lax.dot_general(
+                chunk, weights, (((1,), (1,)), ((), ())), preferred_element_type=i32
+            )
+            if noisy:
+                xb = xb + jnp.sum(
+                    chunk.astype(i32) * b_ref[0, at, 0, :, pl.ds(k * depth, depth)].astype(i32), 1
+                )
+            return acc, xb
+
+        zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
+        acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
+        if noisy:  # the rank-1 term ((x B) >> NOISE_FRAC) A^T >> sigma_shift, on this side
+            term = a_ref[0, at, 0].astype(i32) * (sign * (xb >> NOISE_FRAC))[:, None]
+            acc = acc + (term >> shift_ref[0])
+        out = divide_to_int8(acc, divisor)
+        out_ref[0, 0] = out if residual is None else clipped_add(out, residual_ref[0])
+
+    def pair(i):
+        return i % pair_tiles
+
+    spec = pl.BlockSpec
+    in_specs = [
+        spec((1,), lambda k, g, i, j, s: (0,)),
+        spec((layers_x, 1, rows, n), lambda k, g, i, j, s: (0, k, i, s)),
+        spec((1, layers, 1, columns, n), lambda k, g, i, j, s: (g, 0, k, j, 0)),
+    ]
+    operands = [jnp.reshape(layer, (1,)).astype(i32), x, w]
+    if noisy:
+        in_specs += [
+            spec((1, layers, 1, rows, columns), lambda k, g, i, j, s: (g, 0, k, pair(i), j)),
+            spec((1, layers, 1, rows, n), lambda k, g, i, j, s: (g, 0, k, pair(i), 0)),
+            spec((1,), lambda k, g, i, j, s: (k,)),
+        ]
+        operands += [a, b, shifts]
+    if gain is not None and gain.shape[2] == 1:  # noise-free: one gain for every row
+        in_specs.append(spec((layers, 1, 1, n), lambda k, g, i, j, s: (0, k, 0, 0)))
+        operands.append(gain)
+    elif gain is not None:
+        in_specs.append(spec((layers, 1, rows, n), lambda k, g, i, j, s: (0, k, pair(i), s)))
+        operands.append(gain)
+    if residual is not None:
+        in_specs.append(spec((1, rows, columns), lambda k, g, i, j, s: (k, i, s * column_tiles + j)))
+        operands.append(residual)
+    out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
+    # the bytes it reads and writes: one layer of each stacked operand, the rest whole
+    per_layer = [x.nbytes // layers_x, w.nbytes // layers] + [
+        o.nbytes // layers for o in (a, b, gain) if o is not None
+    ]
+    moved = sum(per_layer) + (residual.nbytes if residual is not None else 0) + math.prod(out.shape)
+    macs = groups * replicas * pairs * sides * m * n
+    compiler = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pallas_triton
+
+        compiler = pallas_triton.CompilerParams(num_warps=4, num_stages=2)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out,
+        grid=(replicas, groups, pairs // rows, column_tiles, sides),
+        in_specs=in_specs,
+        out_specs=spec((1, 1, rows, columns), lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)),
+        interpret=interpret,
+        name=f"{PRODUCT_KERNEL}_{moved}_{macs}",
+        compiler_params=compiler,
+    )(*operands)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward: one byte through every member, each product by XLA or by the GPU kernel.
+
+
+class Model(NamedTuple):
+    """What the forward pass reads (model_inputs builds it once, outside the token loop): params,
+    the matrices (K, ...) and each member's perturbed vectors (K, 1, D, S, n), block parameters
+    with their layer axis first; noise, the matrices' (K, D, ...), or None; the sides; the tables;
+    and under --kernels pallas, kernel: the kernel's operands (interpreted on the CPU)."""
+
+    params: dict
+    noise: dict | None
+    sides: Sides
+    tables: Tables
+    kernel: dict | None
+    interpret: bool
+
+
+def layered(name: str) -> bool:
+    return name in BLOCK_NAMES
+
+
+KERNEL_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # products, by input
+
+
+def kernel_operands(params: dict, noise: dict | None, cfg: Config) -> dict:
+    """The kernel's operands, everything with a layer axis (1 for the head and ln_out): for each
+    group of KERNEL_GROUPS (w (G, L, K, m, n), a (G, L, K, D, m), b (G, L, K, D, n)), the matrices of
+    a group stacked (the one copy: once a call, of the weights and the factors), a and b None
+    noise-free; for each gain its rows (L, K, D, S n), or (L, K, 1, n) noise-free (every row's).
+    Empty under --rank above 1, which the kernel does not take."""
+    if noise is not None and cfg.rank != 1:
+        return {}
+    operands = {}
+    for group in KERNEL_GROUPS:
+        lift = (lambda x: x) if layered(group[0]) else (lambda x: x[None])
+        w = jnp.stack([lift(params[name]) for name in group])
+        a = b = None
+        if noise is not None:  # rank 1: (L, K, D, m, 1) -> (L, K, D, m)
+            a, b = (jnp.stack([lift(noise[name][f])[..., 0] for name in group]) for f in (0, 1))
+        operands[group] = (w, a, b)
+    for name in ("ln1", "ln2", "ln_out"):
+        gain = params[name] if layered(name) else params[name][None]  # (L, K, 1, D, S, n)
+        operands[name] = gain.reshape(gain.shape[:2] + (gain.shape[3], -1))
+    return operands
+
+
+def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
+    """The Model of these parameters (each (K, ...)) and noise (each (K, D, ...), or None)."""
+    model, model_noise = {}, {}
+    for name in PARAM_NAMES:
+        nz = None if noise is None else noise[name]
+        if name in MATRICES:  # shared by every member of a replica
+            model[name] = jnp.moveaxis(params[name], 1, 0) if layered(name) else params[name]
+            if nz is not None:
+                model_noise[name] = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if layered(name) else nz
+        else:  # each member's own: ([L,] K, 1, D, S, n)
+            vector = perturbed_vector(params[name], nz, sides)
+            model[name] = jnp.moveaxis(vector, 4, 0) if layered(name) else vector
+    model_noise = None if noise is None else model_noise
+    kernel = kernel_operands(model, model_noise, cfg) if cfg.kernels != "xla" else None
+    return Model(model, model_noise, sides, make_tables(cfg.rank), kernel, cfg.kernels == "interpret")
+
+
+def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", residual=None, x_layered=False):
+    """x times each named matrix (with its noise) as matmul computes it: x (K, R, D, S, n), or the
+    states (L, K, R, D, S, n) read at `layer` when x_layered; first layer_norm(x, gain) with a gain
+    name, then clipped_add(residual, product) with a residual. `layer` () int32 for block
+    parameters, None for the head. Returns one (K, R, D, S, m) per name: by the kernel where the
+    Model has its operands and it takes the shapes, else by XLA."""
+    picked = x[layer] if x_layered else x
+    replicas, repeats, distinct, sides, n = picked.shape
+    pairs, m = repeats * distinct, model.params[names[0]].shape[-2]
+    found = model.kernel.get(names) if model.kernel else None
+    if found is None or not product_kernel_takes(pairs, distinct, m, n):
+        at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
+        v = layer_norm(picked, at(model.params[gain]), model.tables) if gain else picked
+        noise = (lambda k: None) if model.noise is None else (lambda k: at(model.noise[k]))
+        outs = [matmul(v, at(model.params[k]), noise(k), model.sides) for k in names]
+        return [o if residual is None else clipped_add(residual, o) for o in outs]
+
+    def as_rows(v):  # (..., K, R, D, S, n) -> (..., K, Q, S n): a view
+        return v.reshape(v.shape[:-4] + (pairs, -1))
+
+    out = product_kernel(
+        as_rows(x) if x_layered else as_rows(x)[None],
+        *found,
+        model.sides.shift.reshape(-1),
+        jnp.asarray(0 if layer is None else layer, i32),
+        model.kernel[gain] if gain else None,
+        None if residual is None else as_rows(residual),
+        x_layered,
+        model.interpret,
+    )
+    return [o.reshape(picked.shape[:-1] + (m,)) for o in out]
+
+
+def block(x, states, layer, model: Model, cfg: Config, collect: bool = False):
+    """One minGRU block of every member. x: residual stream (K, R, D, S, n) int8 at WEIGHT_FRAC;
+    states: every layer's hidden state (L, K, R, D, S, n), using the full range (real = q / 127);
+    layer () int32. Returns the new stream and this layer's new state, and with `collect` the
+    block's int8 activations for diagnostics (else an empty dict)."""
+
+    def vector(name):
+        return model.params[name][layer]
+
+    h = states[layer]
+    wf, wh = products(model, x, layer, ("Wf", "Wh"), gain="ln1")
+    (uf,) = products(model, states, layer, ("Uf",), x_layered=True)
     # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
-    g = clipped_add(mm(a, "Wf"), mm(h, "Uf"), p["bf"]).astype(i32) + INT8_MAX
+    g = clipped_add(wf, uf, vector("bf")).astype(i32) + INT8_MAX
     gated = ((g * h.astype(i32)) >> GATE_BITS).astype(jnp.int8)
     # candidate: clipping to int8 is the (hard) tanh
-    c = clipped_add(mm(a, "Wh"), mm(gated, "Uh"), p["bh"]).astype(i32)
+    (uh,) = products(model, gated, layer, ("Uh",))
+    c = clipped_add(wh, uh, vector("bh")).astype(i32)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
     x = clipped_add(x, h)
-    a = layer_norm(x, p["ln2"], tables)
-    hidden = mm(a, "W1")  # (..., 4n)
+    (hidden,) = products(model, x, layer, ("W1",), gain="ln2")  # (..., 4n)
     hidden = jnp.maximum(hidden, 0) if cfg.mlp_relu else hidden
-    x = clipped_add(x, mm(hidden, "W2"))
+    (x,) = products(model, hidden, layer, ("W2",), residual=x)
     if not collect:
         return x, h, {}
     gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
     return x, h, {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
 
 
-def token_logits(params, nz, sides: Sides, h, tok, cfg: Config, tables: Tables, collect: bool = False):
+def token_logits(model: Model, states, tok, cfg: Config, collect: bool = False):
     """One byte through every member: logits (K, R, D, S, 256) int8 at LOGIT_FRAC, new states (L, K,
-    R, D, S, n), and with `collect` the int8 activations of every layer (else an empty dict). params:
-    matrices (K, ...), perturbed vectors member-shaped, block parameters with their layer axis
-    first; tok (R, D, S) uint8. The states restart from zero at byte 0, the separator before every
-    document."""
-    h = jnp.where((tok == 0)[..., None], jnp.zeros_like(h), h)
-    x = embed(params["emb"], tok, None if nz is None else nz["emb"], sides)
-    block_params = {k: params[k] for k in BLOCK_NAMES}
-    block_noise = None if nz is None else {k: nz[k] for k in BLOCK_NAMES if k in nz}
+    R, D, S, n), and with `collect` the int8 activations of every layer (else an empty dict). tok
+    (R, D, S) uint8, the same for every replica. The states restart from zero at byte 0, the
+    separator before every document."""
+    states = jnp.where((tok == 0)[..., None], jnp.zeros_like(states), states)
+    x = embed(model.params["emb"], tok, None if model.noise is None else model.noise["emb"], model.sides)
 
-    def layer(x, inputs):
-        p, n, h_layer = inputs
-        x, h_layer, seen = block(x, h_layer, p, n, sides, cfg, tables, collect)
-        return x, (h_layer, seen)
+    def layer(carry, at):  # layer `at` reads its state, then writes the new one in its place
+        x, states = carry
+        x, h, seen = block(x, states, at, model, cfg, collect)
+        return (x, states.at[at].set(h)), seen
 
     embedding = x
-    with jax.named_scope("layers"):  # names the loop in the compiled program (gpu_kernels reads it)
-        x, (h, seen) = jax.lax.scan(layer, x, (block_params, block_noise, h))
-    x = layer_norm(x, params["ln_out"], tables)
-    logits = matmul(x, params["head"], None if nz is None else nz["head"], sides)
-    return logits, h, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
+    with jax.named_scope("layers"):  # names the layers in the compiled program (gpu_kernels reads it)
+        if cfg.kernels == "pallas":  # unrolled: a GPU would run three kernels a layer for the loop itself
+            carry, seen = (x, states), []
+            for at in range(cfg.n_layer):
+                carry, found = layer(carry, at)
+                seen.append(found)
+            (x, states), seen = carry, jax.tree.map(lambda *v: jnp.stack(v), *seen)
+        else:
+            (x, states), seen = jax.lax.scan(layer, (x, states), jnp.arange(cfg.n_layer))
+    (logits,) = products(model, x, None, ("head",), gain="ln_out")
+    return logits, states, ({**seen, "embedding": embedding, "logits": logits} if collect else {})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -741,13 +999,16 @@ def lowbias32(x):
     return x ^ (x >> 16)
 
 
-def mix_segment(words, segment: int):
+def mix_segment(words, segment):
     """Segment s's stream from segment 0's: lowbias32 twice of each word plus s x SEGMENT_STEP (a
     bijection for each s, so every word stays uniform; distinct s give unrelated words): 14
-    integer operations a word where threefry takes about a hundred."""
-    if segment == 0:
-        return words
-    return lowbias32(lowbias32(words + jnp.uint32(segment * SEGMENT_STEP % 2**32)))
+    integer operations a word where threefry takes about a hundred. `segment`: an int, or a traced
+    int32 (the same words: uint32 products wrap modulo 2**32 as the host's % does)."""
+    if isinstance(segment, int):
+        step = jnp.uint32(segment * SEGMENT_STEP % 2**32)
+        return words if segment == 0 else lowbias32(lowbias32(words + step))
+    mixed = lowbias32(lowbias32(words + segment.astype(jnp.uint32) * jnp.uint32(SEGMENT_STEP)))
+    return jnp.where(segment == 0, words, mixed)
 
 
 def words_to_noise(cfg: Config, words):
@@ -782,40 +1043,34 @@ def scored_pairs(cfg: Config) -> int:
     return cfg.segments * cfg.population // 2
 
 
+def bucket_of(cfg: Config, generation):
+    """The noise's counter for a generation: generations share it in buckets of --noise_reuse."""
+    return generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
+
+
 def generation_noise(cfg: Config, seed, generation):
     """One replica's noise of every distinct pair of every segment for this generation: leaves with
     a leading (noise_pairs,) axis, segment-major: segment s's pair k is
     words_to_noise(cfg, mix_segment(pair_words(cfg, seed, bucket, k), s)). Threefry runs once per
     distinct pair, the remix once per segment."""
-    bucket = generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
+    bucket = bucket_of(cfg, generation)
     words = jax.vmap(lambda k: pair_words(cfg, seed, bucket, k))(jnp.arange(cfg.distinct_pairs))
     words = jnp.concatenate([mix_segment(words, s) for s in range(cfg.segments)])
     return jax.vmap(partial(words_to_noise, cfg))(words)
+
+
+def segment_noise(cfg: Config, seed, generation, segment, first, count: int):
+    """One replica's noise of the pairs first, ..., first + count - 1 of one segment (traced ints),
+    as generation_noise has them (leading axis: the pairs), threefry run again for them."""
+    bucket = bucket_of(cfg, generation)
+    words = jax.vmap(lambda k: pair_words(cfg, seed, bucket, k))(first + jnp.arange(count))
+    return jax.vmap(partial(words_to_noise, cfg))(mix_segment(words, segment))
 
 
 # ------------------------------------------------------------------------------------------------
 # ES step. Every array of a run carries a leading replica axis K (K = 1 for a single run). Members
 # are laid out as (repeats, distinct_pairs, 2): member p = 2 * pair + side (+ repeat * 2 *
 # distinct_pairs), side 0 adds the noise and side 1 subtracts it.
-
-
-def model_inputs(params, noise, sides: Sides) -> tuple[dict, dict | None]:
-    """The parameters and noise as token_logits reads them: matrices (K, ...) with their noise (K, D,
-    ...), each member's perturbed vectors (K, 1, D, S, n), block parameters with their layer axis
-    first (the layer scan then slices them without copies). params: each (K, ...); noise: each (K,
-    D, ...), or None (then so is the noise returned)."""
-    model, model_noise = {}, {}
-    for name in PARAM_NAMES:
-        layered = name in BLOCK_NAMES
-        nz = None if noise is None else noise[name]
-        if name in MATRICES:  # shared by every member of a replica
-            model[name] = jnp.moveaxis(params[name], 1, 0) if layered else params[name]
-            if nz is not None:
-                model_noise[name] = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if layered else nz
-        else:  # each member's own: (K, 1, D, S, [L,] n)
-            vector = perturbed_vector(params[name], nz, sides)
-            model[name] = jnp.moveaxis(vector, 4, 0) if layered else vector  # ([L,] K, 1, D, S, n)
-    return model, (None if noise is None else model_noise)
 
 
 def single(params):
@@ -834,7 +1089,6 @@ def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg
     Member p = (r D + d) S + s has the model's axes (R, D, S) by a reshape. States put their layer
     axis first, so that the layer scan slices them without copies. What stays fixed over the
     tokens is built once: each member's perturbed vectors (model_inputs)."""
-    tables = make_tables(cfg.rank)
     params = jax.tree.map(jnp.asarray, params)
     replicas, count = states.shape[:2]
     sides = 1 if noise is None else 2
@@ -842,12 +1096,12 @@ def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg
     layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
     shifts = jnp.zeros((replicas,), i32) if sigma_shifts is None else sigma_shifts
     on_sides = make_sides(shifts, sides)
-    model, model_noise = model_inputs(params, noise, on_sides)
+    model = model_inputs(params, noise, on_sides, cfg)
 
     def step(h, io):
         tok, target = io
-        logits, h, _ = token_logits(model, model_noise, on_sides, h, tok, cfg, tables)
-        return h, log2_likelihood(logits, target, tables)  # (K, R, D, S)
+        logits, h, _ = token_logits(model, h, tok, cfg)
+        return h, log2_likelihood(logits, target, model.tables)  # (K, R, D, S)
 
     h = jnp.moveaxis(states, 2, 0).reshape((cfg.n_layer, replicas) + layout + (cfg.n_embd,))
     io = (inputs.T.reshape((-1,) + layout), targets.T.reshape((-1,) + layout))  # (T, R, D, S)
@@ -1051,28 +1305,34 @@ def rule_step(z, u, m, v, threshold, cfg: Config):
     return jnp.sign(m) * passes, jnp.where(passes, 0, m).astype(STATE), v
 
 
-def es_update(params, opt, noise, scores, thresholds, cfg: Config):
-    """One model's update: each parameter moves by +-1 where --optimizer's test on the
-    fitness-weighted noise Z passes.
-
-    scores: (scored_pairs,) shaped fitness, segment-major; thresholds (2,) int32, the matrices' and
-    the vectors'. Pairs sharing noise are summed first, so Z is one int32 matrix product per
-    parameter. opt: the rule's state (init_optimizer). Returns the new parameters, the new state
-    and how many entries moved in each tensor, each layer counted apart (so that every count fits
-    int32; the host adds them up).
-    """
+def pair_weights(scores, cfg: Config):
+    """(segments, distinct_pairs) int32: each noise's weight in Z, the scores (scored_pairs,),
+    segment-major, of the pairs that share it summed."""
     repeats = cfg.population // (2 * cfg.distinct_pairs)
-    by_noise = scores.astype(i32).reshape(cfg.segments, repeats, cfg.distinct_pairs).sum(1)
-    weights = by_noise.reshape(-1)  # (noise_pairs,), as generation_noise orders them
+    return scores.astype(i32).reshape(cfg.segments, repeats, cfg.distinct_pairs).sum(1)
+
+
+def z_statistics(noise, weights, cfg: Config) -> dict:
+    """{parameter: Z} of these pairs' noise (leading axis: the pairs) and weights (pairs,)."""
+    return {name: z_statistic(noise[name], weights, cfg) for name in PARAM_NAMES}
+
+
+def apply_rule(params, opt, z: dict, weights, thresholds, cfg: Config):
+    """One model's update from its Z: each parameter moves by +-1 where --optimizer's test passes.
+
+    weights: every noise's (pair_weights); thresholds (2,) int32, the matrices' and the vectors';
+    opt: the rule's state (init_optimizer). Returns the new parameters, the new state and how many
+    entries moved in each tensor, each layer counted apart (so that every count fits int32; the
+    host adds them up)."""
     if cfg.optimizer == "ztest" and cfg.null_from_scores:
-        thresholds = scale_by_root(thresholds, jnp.sum(weights * weights), expected_square_sum(cfg))
+        square_sum = jnp.sum(weights * weights)
+        thresholds = scale_by_root(thresholds, square_sum, expected_square_sum(cfg))
     shifts = u_shifts(cfg)
     new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
-        z = z_statistic(noise[name], weights, cfg)
-        u = None if cfg.optimizer == "ztest" else standardise(z, shifts[kind_of(name)])
+        u = None if cfg.optimizer == "ztest" else standardise(z[name], shifts[kind_of(name)])
         step, m, v = rule_step(
-            z, u, opt.get(f"m/{name}"), opt.get(f"v/{name}"), thresholds[kind_of(name)], cfg
+            z[name], u, opt.get(f"m/{name}"), opt.get(f"v/{name}"), thresholds[kind_of(name)], cfg
         )
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
         new[name] = clip_int8(params[name].astype(i32) + step)
@@ -1080,6 +1340,13 @@ def es_update(params, opt, noise, scores, thresholds, cfg: Config):
         layers = changed.shape[0] if name in BLOCK_NAMES else 1
         moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
     return new, new_opt, jnp.concatenate(moved)
+
+
+def es_update(params, opt, noise, scores, thresholds, cfg: Config):
+    """One model's update from every noise of the generation (generation_noise) and the scores
+    (scored_pairs,), segment-major: Z is one int32 matrix product per parameter (apply_rule)."""
+    weights = pair_weights(scores, cfg).reshape(-1)  # (noise_pairs,), as generation_noise orders them
+    return apply_rule(params, opt, z_statistics(noise, weights, cfg), weights, thresholds, cfg)
 
 
 def pair_mean(states):
@@ -1112,26 +1379,53 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     """
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
+    by_replica = jax.vmap  # over the leading replica axis of every argument
 
-    def device_noise(seeds, generation, start):
-        """(all, local): every pair's noise of every replica, (K, S D, ...) (the update needs them
-        all), and this device's members' pairs of each segment, (S, K, distinct, ...)."""
-        noise = jax.vmap(lambda seed: generation_noise(cfg, seed, generation))(seeds)
+    def noise_sources(seeds, generation, start):
+        """(noise_of, z_of): noise_of(segment) the noise of this device's pairs in a segment (K,
+        distinct, ...); z_of(weights (K, S, D)) every parameter's Z (K, ...) over every pair of
+        every segment. With cfg.noise_per_segment each segment's noise is built where it is used,
+        twice (for the fitness, then for Z, summed segment by segment); else every segment's at
+        once, threefry once a pair, kept for the update."""
         offset = (start // 2) % cfg.distinct_pairs
+        if cfg.noise_per_segment:
 
-        def this_device(n):
-            n = n.reshape(n.shape[:1] + (cfg.segments, cfg.distinct_pairs) + n.shape[2:])
-            return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(n, offset, distinct, axis=2), 1, 0)
+            def noise_of(segment, first=offset, count=distinct):
+                return by_replica(lambda seed: segment_noise(cfg, seed, generation, segment, first, count))(
+                    seeds
+                )
 
-        return noise, jax.tree.map(this_device, noise)
+            def z_of(weights):
+                def add(z, segment):
+                    noise = noise_of(segment, 0, cfg.distinct_pairs)
+                    found = by_replica(partial(z_statistics, cfg=cfg))(noise, weights[:, segment])
+                    return jax.tree.map(jnp.add, z, found), None
 
-    def segments_fitness(params, local, states, tokens, sigma_shifts):
+                zero = {k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in PARAM_NAMES}
+                return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
+
+            return noise_of, z_of
+        noise = by_replica(lambda seed: generation_noise(cfg, seed, generation))(seeds)  # (K, S D, ...)
+
+        def noise_of(segment):
+            return jax.tree.map(
+                lambda x: jax.lax.dynamic_slice_in_dim(x, segment * cfg.distinct_pairs + offset, distinct, 1),
+                noise,
+            )
+
+        def z_of(weights):
+            return by_replica(partial(z_statistics, cfg=cfg))(noise, weights.reshape(weights.shape[0], -1))
+
+        return noise_of, z_of
+
+    def segments_fitness(params, noise_of, states, tokens, sigma_shifts):
         """Every segment in turn (a scan per segment length): fitness (S, K, members), states."""
 
         def segment(states, xs):
-            nz, inputs, targets = xs
+            index, inputs, targets = xs
             if cfg.shared_pair_state:
-                states = jax.vmap(pair_mean)(states)
+                states = by_replica(pair_mean)(states)
+            nz = noise_of(index)
             fitness, states = population_fitness(params, nz, states, inputs, targets, sigma_shifts, cfg)
             return states, fitness
 
@@ -1141,8 +1435,8 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
             def cut(x, a=token_start, n=count, length=length):  # (n, members, length): each segment's bytes
                 return jnp.moveaxis(x[:, a : a + n * length].reshape(members, n, length), 1, 0)
 
-            nz = jax.tree.map(lambda x, a=segment_start, n=count: x[a : a + n], local)
-            states, out = jax.lax.scan(segment, states, (nz, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
+            indices = segment_start + jnp.arange(count)
+            states, out = jax.lax.scan(segment, states, (indices, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
             parts.append(out)
             segment_start, token_start = segment_start + count, token_start + count * length
         return jnp.concatenate(parts), states
@@ -1150,14 +1444,20 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     def local_step(params, opt, states, batch, generation, thresholds, seeds, sigma_shifts):
         start = jax.lax.axis_index(POP) * members  # this device's first member
         tokens = batch[(start + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
-        noise, local = device_noise(seeds, generation, start) if part != "inference" else (None, None)
-        fitness, states = segments_fitness(params, local, states, tokens, sigma_shifts)
+        if part == "inference":
+            noise_of, z_of = (lambda segment: None), None
+        else:
+            noise_of, z_of = noise_sources(seeds, generation, start)
+        fitness, states = segments_fitness(params, noise_of, states, tokens, sigma_shifts)
         if part != "train":
             return params, opt, states, jnp.sum(fitness, axis=0), jnp.zeros((), i32)
-        shaped = jax.vmap(partial(shape_fitness, cfg=cfg, axis=POP))(jnp.moveaxis(fitness, 0, 1))
+        shaped = by_replica(partial(shape_fitness, cfg=cfg, axis=POP))(jnp.moveaxis(fitness, 0, 1))
         scores = jax.lax.all_gather(shaped, POP, axis=2, tiled=True)  # (K, S, pairs)
-        scores = scores.reshape(scores.shape[0], -1)
-        params, opt, moved = jax.vmap(partial(es_update, cfg=cfg))(params, opt, noise, scores, thresholds)
+        weights = by_replica(partial(pair_weights, cfg=cfg))(scores.reshape(scores.shape[0], -1))  # (K, S, D)
+        flat = weights.reshape(weights.shape[0], -1)
+        params, opt, moved = by_replica(partial(apply_rule, cfg=cfg))(
+            params, opt, z_of(weights), flat, thresholds
+        )
         return params, opt, states, jnp.sum(fitness, axis=0), moved
 
     step = jax.shard_map(
@@ -1370,14 +1670,29 @@ def num_parameters(cfg: Config) -> int:
     return sum(math.prod(full_shape(k, cfg)) for k in PARAM_NAMES)
 
 
-def make_config(args: Args, devices: int | None = None) -> Config:
-    """The static configuration of a run on `devices` JAX devices (default: one GPU's worth). A CPU
-    split into --cpu_devices of them counts as one device of --parallel_generations_per_gpu."""
+def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -> Config:
+    """The static configuration of a run on `devices` JAX devices of a platform (default: one CPU's
+    worth). A CPU split into --cpu_devices of them counts as one device of
+    --parallel_generations_per_gpu."""
     shards = max(args.cpu_devices, 1)
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
-    derived = ("population", "tokens", "segments", "distinct_pairs", "devices")
+    gpu = platform in ("gpu", "cuda", "rocm")
+    kernels = {"xla": "xla", "pallas": "pallas" if gpu else "interpret"}.get(
+        args.kernels, "pallas" if gpu else "xla"
+    )
+    derived = (
+        "population",
+        "tokens",
+        "segments",
+        "distinct_pairs",
+        "devices",
+        "kernels",
+        "noise_per_segment",
+    )
     cfg = Config(
+        kernels=kernels,
+        noise_per_segment=gpu,
         **{name: getattr(args, name) for name in Config._fields if name not in derived},  # as the flags say
         population=population,
         tokens=args.tokens_per_update,
@@ -1392,6 +1707,11 @@ def make_config(args: Args, devices: int | None = None) -> Config:
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
     return cfg
+
+
+def mesh_config(args: Args, mesh: jax.sharding.Mesh) -> Config:
+    """make_config for a run on this mesh's devices and platform."""
+    return make_config(args, mesh.size, mesh.devices.flat[0].platform)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2296,15 +2616,12 @@ def sampling_probabilities(logits, generated, temperature: float, min_p: float, 
 @cache
 def make_sampler(cfg: Config):
     """Noise-free next-byte logits: step(params, h (L, n), byte) -> (logits (256,) int8, h)."""
-    tables = make_tables(cfg.rank)
     sides = make_sides(jnp.zeros((1,), i32), 1)
 
     def step(params, h, byte):
         h = h[:, None, None, None, None]  # (L, K, R, D, S, n) of one member
         tok = jnp.asarray(byte).reshape(1, 1, 1)
-        logits, h, _ = token_logits(
-            model_inputs(single(params), None, sides)[0], None, sides, h, tok, cfg, tables
-        )
+        logits, h, _ = token_logits(model_inputs(single(params), None, sides, cfg), h, tok, cfg)
         return logits.reshape(VOCAB), h.reshape(h.shape[0], -1)
 
     return jax.jit(step)
@@ -2373,14 +2690,13 @@ def sample(args: Args) -> str:
 def make_probe(cfg: Config):
     """Noise-free forward of a few rows, keeping every int8 activation: probe(params, rows (R, L)
     uint8) -> {name: (R, L, ...) int8}, block activations as (R, L, n_layer, ...)."""
-    tables = make_tables(cfg.rank)
     sides = make_sides(jnp.zeros((1,), i32), 1)
 
     def probe(params, rows):
-        model = model_inputs(single(params), None, sides)[0]
+        model = model_inputs(single(params), None, sides, cfg)
 
         def step(h, tok):  # the rows as the distinct pairs of one replica: (R, D, S) = (1, rows, 1)
-            _, h, seen = token_logits(model, None, sides, h, tok.reshape(1, -1, 1), cfg, tables, collect=True)
+            _, h, seen = token_logits(model, h, tok.reshape(1, -1, 1), cfg, collect=True)
             return h, seen
 
         h = jnp.zeros((cfg.n_layer, 1, 1, rows.shape[0], 1, cfg.n_embd), jnp.int8)
@@ -2595,7 +2911,7 @@ def open_run(args: Args) -> Run:
     mesh = population_mesh()
     if mesh.devices.flat[0].platform != "cpu":  # JAX chose an accelerator: the CPU split does not apply
         args = dataclasses.replace(args, cpu_devices=1)
-    cfg = make_config(args, mesh.size)
+    cfg = mesh_config(args, mesh)
     check_ranges(cfg)
     check_z_test(args, cfg)
     writer = jax.process_index() == 0
@@ -2952,7 +3268,7 @@ def prepare_kind(
     """Compile one kind ahead of time and run its first generation. With `check_room`: None (and a
     note) where, on the CPU, its temporaries on every device would not fit in what the host has
     left (full-rank ES at the default model: every device builds all of its noise)."""
-    cfg = make_config(kind_args, mesh.size)
+    cfg = mesh_config(kind_args, mesh)
     settings = replica_settings(kind_args)
     carry = on_mesh(*init_run(cfg, [s["seed"] for s in settings]), mesh)
     batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
@@ -3211,6 +3527,11 @@ def hlo_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
+def shape_text(shape: tuple[str, tuple[int, ...]]) -> str:
+    """An HLO shape as HLO writes it: s8[1024,256]."""
+    return f"{shape[0]}[{','.join(map(str, shape[1]))}]"
+
+
 def hlo_bytes(shapes) -> int:
     return sum(HLO_DTYPE_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in shapes)
 
@@ -3236,39 +3557,53 @@ def hlo_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
     return computations, entry
 
 
+ELEMENTWISE_VIEWS = ("convert", "bitcast", "copy")  # ops a fusion may apply before slicing a parameter
+
+
 def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
     """(kind, bytes, MACs, gemm shapes) of a fused kernel: each parameter read whole, except one
-    that is only sliced (its slices are read) or updated in place (not read); the result written,
-    less what an in-place update leaves untouched."""
+    that is only sliced, maybe after a conversion (the slices' entries are read), or updated in
+    place (not read); the result written, less what an in-place update leaves untouched."""
     named = {x.name: x for x in body}
-    parameters = [x for x in body if x.opcode == "parameter"]
+    users_of = {x.name: [u for u in body if x.name in u.operands] for x in body}
+
+    def sliced_entries(name: str) -> int | None:
+        """Entries of `name` that its users read through slices, or None where one reads it whole."""
+        entries = 0
+        for u in users_of[name]:
+            if u.operands[0] != name:
+                return None
+            if u.opcode in ("dynamic-slice", "slice", "gather"):
+                entries += sum(math.prod(dims) for _, dims in u.shapes)
+            elif u.opcode in ELEMENTWISE_VIEWS and (inner := sliced_entries(u.name)) is not None:
+                entries += inner
+            elif u.opcode != "dynamic-update-slice":  # an in-place update reads nothing
+                return None
+        return entries
+
     total = hlo_bytes(result)
-    for parameter in parameters:
-        users = [x for x in body if parameter.name in x.operands]
-        if users and all(
-            u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == parameter.name
-            for u in users
-        ):
-            total += sum(hlo_bytes(u.shapes) for u in users)
-        elif users and all(
-            u.opcode == "dynamic-update-slice" and u.operands[0] == parameter.name for u in users
-        ):
-            total -= sum(hlo_bytes(u.shapes) - hlo_bytes(named[u.operands[1]].shapes) for u in users)
-        else:
+    for parameter in (x for x in body if x.opcode == "parameter"):
+        entries = sliced_entries(parameter.name) if users_of[parameter.name] else None
+        if entries is None:
             total += hlo_bytes(parameter.shapes)
+        else:
+            total += entries * HLO_DTYPE_BYTES.get(parameter.shapes[0][0], 4)
+        for u in users_of[parameter.name]:  # in place: only the update is written
+            if u.opcode == "dynamic-update-slice" and entries is not None:
+                total -= hlo_bytes(u.shapes) - hlo_bytes(named[u.operands[1]].shapes)
     macs, shapes = 0, ""
     for dot in (x for x in body if x.opcode == "dot"):
         lhs, rhs = (named[o].shapes[0] for o in dot.operands[:2])
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes).group(1)
         macs += math.prod(dot.shapes[0][1]) * math.prod(lhs[1][int(d)] for d in contracting.split(",") if d)
-        shapes = " x ".join(f"{t}[{','.join(map(str, d))}]" for t, d in (lhs, rhs))
-        shapes += f" -> {dot.shapes[0][0]}[{','.join(map(str, dot.shapes[0][1]))}]"
+        shapes = f"{shape_text(lhs)} x {shape_text(rhs)} -> {shape_text(dot.shapes[0])}"
     return ("gemm" if macs else "fusion"), total, macs, shapes
 
 
 def gpu_kernels(hlo: str) -> list[Kernel]:
     """Every kernel a compiled GPU program launches, with how often per call: while loops multiply
-    by their known trip counts, and a loop's name comes from the named scope of its scan."""
+    by their known trip counts, and a loop's name comes from the named scope of its scan (a kernel
+    in the "layers" scope of the token loop, where the layers are unrolled, counts as the layers')."""
     computations, entry = hlo_computations(hlo)
     found = []
 
@@ -3278,6 +3613,9 @@ def gpu_kernels(hlo: str) -> list[Kernel]:
     def walk(computation: str, runs: int, loop: str) -> None:
         shapes = {x.name: x.shapes for x in computations[computation]}
         for x in computations[computation]:
+            # a kernel of a layer unrolled in the token loop belongs to the layers all the same
+            unrolled = loop == "tokens" and re.search(r'op_name="[^"]*/layers/', x.attributes)
+            where = "layers" if unrolled else loop
             if x.opcode == "while":
                 trips = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
                 path = re.search(r'op_name="([^"]*)"', x.attributes)
@@ -3289,7 +3627,12 @@ def gpu_kernels(hlo: str) -> list[Kernel]:
                 walk(called(x, "to_apply"), runs, loop)
             elif x.opcode == "fusion":
                 kind, size, macs, gemm = fusion_cost(computations[called(x, "calls")], x.shapes)
-                found.append(Kernel(x.name, kind, loop, runs, size, macs, gemm))
+                found.append(Kernel(x.name, kind, where, runs, size, macs, gemm))
+            elif declared := re.search(rf'name = "{PRODUCT_KERNEL}_(\d+)_(\d+)"', x.attributes):
+                size, macs = map(int, declared.groups())  # what product_kernel reads, writes and multiplies
+                x_in, w = (shapes[o][0] for o in x.operands[1:3])  # its operands: layer, x, w, ...
+                gemm = f"{shape_text(x_in)} x {shape_text(w)} -> {shape_text(x.shapes[0])}"
+                found.append(Kernel(x.name, "product", where, runs, size, macs, gemm))
             elif x.opcode not in NO_KERNEL:
                 kind = (
                     "collective"
@@ -3299,7 +3642,7 @@ def gpu_kernels(hlo: str) -> list[Kernel]:
                     else x.opcode
                 )
                 size = hlo_bytes(x.shapes) + sum(hlo_bytes(shapes.get(o, [])) for o in x.operands)
-                found.append(Kernel(x.name, kind, loop, runs, size, 0, ""))
+                found.append(Kernel(x.name, kind, where, runs, size, 0, ""))
 
     walk(entry, 1, "")
     return found
@@ -3363,7 +3706,7 @@ def without_compilation_cache():
 def compile_target(args: Args, part: str):
     """(compiled program, config, compile seconds) of a generation step for --target."""
     mesh = target_mesh(args.target, args.target_devices)
-    cfg = make_config(dataclasses.replace(args, cpu_devices=1), mesh.size)  # GPUs: each counts as one
+    cfg = mesh_config(dataclasses.replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
     check_ranges(cfg)
     tick = time.time()
     with without_compilation_cache():
@@ -3379,7 +3722,7 @@ def print_target_report(
     best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
     largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
     kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
-    gemms = sorted({(k.shapes, k.loop or "once") for k in kernels if k.kind == "gemm"})
+    gemms = sorted({(k.shapes, k.loop or "once") for k in kernels if k.kind in ("gemm", "product")})
     lines = [
         f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's GPU "
         f"pipeline, untuned GEMM tiles); model {args.n_embd}D-{args.n_layer}L; population "
@@ -3389,7 +3732,8 @@ def print_target_report(
         f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
         f"kernels per token: {t['per_token']:.0f} "
         + (f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(no layer loop left)"),
-        "GEMMs: " + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
+        "GEMMs (XLA's and the product kernel's): "
+        + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
         "collectives per generation: "
         + (", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"),
         f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "

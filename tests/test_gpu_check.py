@@ -14,9 +14,9 @@ spec.loader.exec_module(gpu_check)
 
 
 def test_the_same_training_on_two_platforms_is_compared_by_its_checkpoints(tmp_path):
-    device, reference = gpu_check.same_training("cpu", tmp_path)
-    assert device == reference and len(device) == 16
-    assert {p.name for p in tmp_path.glob("runs-*")} == {"runs-device", "runs-reference"}
+    device, device_xla, reference = gpu_check.same_training("cpu", tmp_path)
+    assert device == device_xla == reference and len(device) == 16
+    assert {p.name for p in tmp_path.glob("runs-*")} == {"runs-device", "runs-device-xla", "runs-reference"}
 
 
 def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):

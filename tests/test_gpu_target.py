@@ -19,7 +19,7 @@ SMALL = ["--n_embd", "16", "--parallel_generations_per_gpu", "64", "--segments",
 
 def compile_step(args, part="train", devices=1):
     mesh = run.target_mesh("h100", devices)
-    cfg = run.make_config(args, mesh.size)
+    cfg = run.mesh_config(args, mesh)
     step = run.make_generation_step(cfg, mesh, part)
     with run.without_compilation_cache():
         return step.lower(*run.abstract_inputs(args, cfg, mesh)).compile(), cfg, mesh
@@ -36,9 +36,12 @@ def dots(hlo: str) -> list[tuple[list, list]]:
 
 
 def integer_only(hlo: str) -> None:
+    """No floating-point type; every product an s8 x s8 -> s32 dot of XLA's or the product kernel
+    (whose own dots test_kernels.py checks in its jaxpr)."""
     assert not [t for t in FLOAT_TYPES if re.search(rf"\b{t}\[", hlo)]
     products = dots(hlo)
-    assert products and all(
+    assert products or f'name = "{run.PRODUCT_KERNEL}_' in hlo
+    assert all(
         [t for t, _ in operands] == ["s8", "s8"] and [t for t, _ in result] == ["s32"]
         for operands, result in products
     ), products
@@ -48,21 +51,26 @@ def integer_only(hlo: str) -> None:
     "flags", [[], ["--algorithm", "upstream"], ["--replicas", "2", "--replica_sigma_shift", "3", "5"]]
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
-    args = tiny_args(*SMALL, *flags)
+    args = tiny_args(*SMALL, "--segments", "6", *flags)
     compiled, cfg, _ = compile_step(args)
     hlo = compiled.as_text()
     integer_only(hlo)
+    assert (
+        cfg.kernels == "pallas" and f'name = "{run.PRODUCT_KERNEL}_' in hlo
+    )  # the products are the kernel's
     # parameters, update rule state and hidden states are donated: every one aliases an output
     carried = len(jax.tree.leaves(run.abstract_inputs(args, cfg, run.target_mesh("h100", 1))[:3]))
     aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
     assert sorted(int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliased)) == list(range(carried))
-    # temporaries: the noise of every pair of every segment (the update needs it all) in words,
-    # tables and their transposes, and the members' activations, int32, a few times over
-    noise = run.noise_pairs(cfg) * cfg.replicas * sum(np.prod(shape) for _, shape, _ in run.noise_pieces(cfg))
+    # temporaries: one segment's noise at a time (built where it is used: 6 segments' at once would
+    # be 16 times this noise), in words, entries and the layouts the kernels read, and the members'
+    # activations, int32, a few times over
+    pieces = sum(np.prod(shape) for _, shape, _ in run.noise_pieces(cfg))
+    noise = run.noise_pairs(cfg) // cfg.segments * cfg.replicas * pieces
     activations = cfg.population * cfg.replicas * cfg.n_layer * 4 * cfg.n_embd * 4
     temporaries = compiled.memory_analysis().temp_size_in_bytes
-    print(f"temporaries {temporaries:,} B; noise {noise:,} B, activations {activations:,} B")
-    assert temporaries <= 8 * noise + 4 * activations
+    print(f"temporaries {temporaries:,} B; a segment's noise {noise:,} B, activations {activations:,} B")
+    assert temporaries <= 4 * noise + 4 * activations
 
 
 def test_validation_and_inference_compile_for_the_h100_integer_only():
@@ -140,3 +148,30 @@ def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
     train = figures["training"]
     assert train["per_token"] > train["per_layer"] * run.parse_args(TINY).n_layer > 0
     assert 0 < train["tokens_per_s"] < figures["inference"]["tokens_per_s"] * 1.5
+
+
+def test_a_product_kernel_is_costed_by_the_layer_it_reads():
+    """The kernel compiled for the H100 (Triton): counted as one kernel a call, its bytes the x, the
+    one layer of the weights and factors it reads and the int8 output it writes (not the stacked
+    operands whole), its MACs those of its products."""
+    sharding = jax.sharding.SingleDeviceSharding(run.target_mesh("h100", 1).devices.flat[0])
+    layers, pairs, m, n = 3, 64, 128, 64
+
+    def shaped(*shape, dtype=jnp.int8):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def program(x, w, a, b, shifts):
+        return run.product_kernel(x, w, a, b, shifts, jnp.int32(1), None, None, False, False)
+
+    operands = (
+        shaped(1, 1, pairs, 2 * n),
+        shaped(2, layers, 1, m, n),
+        shaped(2, layers, 1, pairs, m),
+        shaped(2, layers, 1, pairs, n),
+        shaped(1, dtype=jnp.int32),
+    )
+    with run.without_compilation_cache():
+        kernels = run.gpu_kernels(jax.jit(program).lower(*operands).compile().as_text())
+    (product,) = [k for k in kernels if k.kind == "product"]
+    read = pairs * 2 * n + 2 * m * n + 2 * pairs * (m + n)  # x; a layer of w, a and b for both matrices
+    assert (product.runs, product.bytes, product.macs) == (1, read + 2 * pairs * 2 * m, 2 * pairs * 2 * m * n)

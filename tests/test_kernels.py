@@ -1,0 +1,158 @@
+"""The GPU program on the CPU: the product kernel, interpreted by Pallas, against the layer norm,
+products and residual add that XLA computes, and a whole generation as a GPU runs it (the kernel,
+each segment's noise built where it is used) against the CPU's, bit for bit."""
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import one_model_step
+
+import run
+
+SIDES, REPEATS, PAIRS, N, M, LAYERS = 2, 2, 32, 32, 64, 3
+
+
+def operands(rng, groups):
+    tables = run.make_tables(1)
+    return (
+        rng.integers(-127, 128, (2, REPEATS, PAIRS, SIDES, N)).astype(np.int8),  # x (K, R, D, S, n)
+        rng.integers(-60, 61, (groups, LAYERS, 2, M, N)).astype(np.int8),  # w (G, L, K, m, n)
+        tables.gauss[rng.integers(0, 256, (groups, LAYERS, 2, PAIRS, M))],  # a
+        tables.gauss_rank[rng.integers(0, 256, (groups, LAYERS, 2, PAIRS, N))],  # b
+    )
+
+
+@pytest.mark.parametrize(
+    "gain, residual, noisy",
+    [(False, False, True), (True, False, True), (False, True, True), (True, False, False)],
+)
+def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_compute(gain, residual, noisy):
+    """Two replicas (sigma_shift 3 and 1), two repeats of 32 pairs, two matrices of one layer of
+    three: every member's output equal to XLA's, with a layer norm before and a residual after."""
+    rng = np.random.default_rng(3)
+    x, w, a, b = operands(rng, groups=2)
+    tables, layer = run.make_tables(1), 1
+    shifts = np.array([3, 1], np.int32)
+    sides = run.make_sides(jnp.asarray(shifts), SIDES if noisy else 1)
+    if not noisy:  # noise-free: the rows are one side's distinct pairs, one gain for all
+        x = x[:, :, :, :1].reshape(2, 1, REPEATS * PAIRS, 1, N)
+    gains = rng.integers(-40, 41, (LAYERS, 2, 1, PAIRS, SIDES, N) if noisy else (LAYERS, 2, 1, 1, 1, N))
+    gains = gains.astype(np.int8)
+    add = rng.integers(-127, 128, x.shape[:-1] + (M,)).astype(np.int8)
+    got = run.product_kernel(
+        x.reshape(1, 2, -1, x.shape[3] * N),
+        w,
+        a if noisy else None,
+        b if noisy else None,
+        jnp.asarray(shifts),
+        jnp.int32(layer),
+        gains.reshape(LAYERS, 2, gains.shape[3], -1) if gain else None,
+        add.reshape(2, -1, x.shape[3] * M) if residual else None,
+        False,
+        True,
+    )
+    for g in range(2):
+        v = run.layer_norm(x, gains[layer], tables) if gain else x
+        nz = (a[g, layer][..., None], b[g, layer][..., None]) if noisy else None
+        want = run.matmul(v, w[g, layer], nz, sides)
+        want = run.clipped_add(want, add) if residual else want
+        np.testing.assert_array_equal(np.asarray(got[g]).reshape(want.shape), want)
+
+
+def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
+    rng = np.random.default_rng(0)
+    x, w, a, b = operands(rng, groups=1)
+
+    def call(x):
+        gain = jnp.ones((LAYERS, 2, PAIRS, SIDES * N), jnp.int8)
+        return run.product_kernel(
+            x, w, a, b, jnp.array([2, 3], jnp.int32), jnp.int32(0), gain, None, False, True
+        )
+
+    jaxpr = jax.make_jaxpr(call)(x.reshape(1, 2, -1, SIDES * N))
+    (kernel,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    body = kernel.params["jaxpr"]
+
+    def equations(j):
+        for e in j.eqns:
+            yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from equations(sub)
+
+    found = list(equations(body))
+    dots = [e for e in found if e.primitive.name == "dot_general"]
+    assert dots and all(
+        [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8] and e.outvars[0].aval.dtype == jnp.int32
+        for e in dots
+    )
+    dtypes = {v.aval.dtype for e in found for v in e.outvars if hasattr(v.aval, "dtype")}
+    assert not [t for t in dtypes if jnp.issubdtype(t, jnp.floating)], dtypes
+
+
+GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)  # what make_config gives a GPU, interpreted
+
+
+@pytest.mark.parametrize("flags", [[], ["--algorithm", "upstream"]])
+def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags):
+    """32D-2L, population 64 in 3 segments, two generations:
+    the kernel for every product and each segment's noise built twice (for the fitness, then for Z
+    summed segment by segment) give the parameters, update rule state, states, fitness and moved
+    counts of XLA's products and every segment's noise built at once."""
+    args = run.parse_args(
+        [
+            "--n_embd",
+            "32",
+            "--n_layer",
+            "2",
+            "--parallel_generations_per_gpu",
+            "64",
+            "--tokens_per_update",
+            "6",
+            "--segments",
+            "3",
+            "--alpha",
+            "0.3",
+            *flags,
+        ]
+    )
+    cpu = run.make_config(args)
+    gpu = cpu._replace(**GPU_LIKE)
+    mesh = run.population_mesh(jax.devices()[:1])
+    rng = np.random.default_rng(5)
+    params = jax.tree.map(np.asarray, run.init_params(cpu, 1))
+    states = rng.integers(-127, 128, (cpu.population, cpu.n_layer, cpu.n_embd)).astype(np.int8)
+    opt = jax.tree.map(np.asarray, run.init_optimizer(cpu))
+    batches = rng.integers(1, 256, (2, cpu.population // 2, cpu.tokens + 1)).astype(np.uint8)
+    thresholds = run.z_thresholds(args, cpu)
+    results = []
+    for cfg in (cpu, gpu):
+        step = run.make_generation_step(cfg, mesh)
+        carry, out = (params, opt, states), []
+        for generation, batch in enumerate(batches):
+            *carry, fitness, moved = one_model_step(
+                step, carry, batch, generation, thresholds[generation], 7, args.sigma_shift
+            )
+            out.append((carry, fitness, moved))
+        results.append(out)
+    for left, right in zip(*results, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, left, right)
+    assert sum(int(np.sum(m)) for _, _, m in results[0]) > 0
+
+
+def test_validation_as_a_gpu_runs_it_equals_the_cpus():
+    args = run.parse_args(["--n_embd", "32", "--n_layer", "2", "--replicas", "2"])
+    cfg = run.make_config(args)
+    mesh = run.population_mesh(jax.devices()[:1])
+    params = jax.vmap(lambda seed: run.init_params(cfg, seed))(jnp.array([0, 1]))
+    rows = np.random.default_rng(2).integers(0, 256, (32, 9)).astype(np.uint8)
+    got = [np.asarray(run.make_evaluate(c, mesh)(params, rows)) for c in (cfg, cfg._replace(**GPU_LIKE))]
+    np.testing.assert_array_equal(*got)
+
+
+def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
+    assert run.product_kernel_takes(pairs=64, distinct=32, m=64, n=256)
+    assert not run.product_kernel_takes(pairs=64, distinct=32, m=48, n=256)  # 48: not a power of two
+    assert not run.product_kernel_takes(pairs=8, distinct=8, m=64, n=64)  # fewer pairs than a tile
+    assert not run.product_kernel_takes(pairs=64, distinct=32, m=8, n=64)  # Triton's dots: 16 at least
