@@ -681,78 +681,68 @@ def product_kernel_takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     return power_of_two(m) and power_of_two(n) and distinct % 16 == 0 and pairs % distinct == 0
 
 
-def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, interpret: bool):
-    """Every member's int8 product with G matrices: out[g] = x' (W_g + sigma E_g)^T / (16 sqrt(n)), as
-    int8, where x' = layer_norm(x, gain) (with a gain) or x, plus the residual (with one), as
-    matmul, layer_norm and clipped_add compute it.
-
-    x (Lx, K, Q, S n) int8 (Lx = L with x_layered: the states, read at `layer`); w (G, L, K, m, n);
-    a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
-    (K,) int32; layer () int32; gain (L, K, D, S n), (L, K, 1, n) (every row's) or None; residual
-    (K, Q, S m) or None. Returns
-    (G, K, Q, S m). A program computes a tile of pairs and outputs of one side of one matrix."""
+def product_program(*refs, noisy: bool, gained: bool, added: bool, x_layered: bool, tile: tuple[int, ...]):
+    """One program of product_kernel's grid: the refs of its operands' blocks (product_specs) and its
+    output's block; noisy: with factors; gained: with a layer norm's gain; added: with a residual;
+    tile (rows, columns, depth, n)."""
     from jax.experimental import pallas as pl
 
-    layers_x, replicas, pairs, _ = x.shape
-    groups, layers, _, m, n = w.shape
-    sides = x.shape[3] // n
-    noisy = a is not None
-    distinct = a.shape[3] if noisy else pairs
-    rows, columns, depth = (
-        max(t for t in (16, 32, 64) if t <= cap and d % t == 0)
-        for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
-    )
-    pair_tiles, column_tiles = distinct // rows, m // columns
+    rows, columns, depth, n = tile
     divisor = 2**WEIGHT_FRAC * math.sqrt(n)
+    refs = list(refs)
+    layer_ref, x_ref, w_ref, out_ref = refs[0], refs[1], refs[2], refs[-1]
+    a_ref, b_ref, shift_ref = refs[3:6] if noisy else (None, None, None)
+    extra = refs[6 if noisy else 3 : -1]
+    gain_ref = extra.pop(0) if gained else None
+    residual_ref = extra.pop(0) if added else None
+    at = layer_ref[0]
+    x_at = at if x_layered else 0
+    sign = 1 - 2 * pl.program_id(4)
 
-    def kernel(*refs):
-        refs = list(refs)
-        layer_ref, x_ref, w_ref, out_ref = refs[0], refs[1], refs[2], refs[-1]
-        a_ref, b_ref, shift_ref = refs[3:6] if noisy else (None, None, None)
-        extra = refs[6 if noisy else 3 : -1]
-        gain_ref = extra.pop(0) if gain is not None else None
-        residual_ref = extra.pop(0) if residual is not None else None
-        at = layer_ref[0]
-        x_at = at if x_layered else 0
-        sign = 1 - 2 * pl.program_id(4)
+    def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed with a gain
+        chunk = x_ref[x_at, 0, :, pl.ds(k * depth, depth)]
+        if not gained:
+            return chunk
+        g = gain_ref[at, 0, :, pl.ds(k * depth, depth)].astype(i32)
+        return clip_int8((chunk.astype(i32) * g * recip[:, None]) >> RECIP_BITS)
 
-        def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed with a gain
-            chunk = x_ref[x_at, 0, :, pl.ds(k * depth, depth)]
-            if gain is None:
-                return chunk
-            g = gain_ref[at, 0, :, pl.ds(k * depth, depth)].astype(i32)
-            return clip_int8((chunk.astype(i32) * g * recip[:, None]) >> RECIP_BITS)
+    if gained:  # layer_norm's mean |x| and its reciprocal round(2**16 / mean), per row
+        total = jax.lax.fori_loop(
+            0,
+            n // depth,
+            lambda k, t: t + jnp.sum(jnp.abs(x_ref[x_at, 0, :, pl.ds(k * depth, depth)].astype(i32)), 1),
+            jnp.zeros((rows,), i32),
+        )
+        mean = jnp.maximum(divide_to_int8(total, n).astype(i32), 1)
+        recip = (2 ** (RECIP_BITS + 1) + mean) // (2 * mean)  # = tables.recip[mean], never a tie
 
-        if gain is not None:  # layer_norm's mean |x| and its reciprocal round(2**16 / mean), per row
-            total = jax.lax.fori_loop(
-                0,
-                n // depth,
-                lambda k, t: t + jnp.sum(jnp.abs(x_ref[x_at, 0, :, pl.ds(k * depth, depth)].astype(i32)), 1),
-                jnp.zeros((rows,), i32),
-            )
-            mean = jnp.maximum(divide_to_int8(total, n).astype(i32), 1)
-            recip = (2 ** (RECIP_BITS + 1) + mean) // (2 * mean)  # = tables.recip[mean], never a tie
+    def accumulate(k, carry):
+        acc, xb = carry
+        chunk = inputs(k)
+        weights = w_ref[0, at, 0, :, pl.ds(k * depth, depth)]
+        acc = acc + jax.lax.dot_general(chunk, weights, (((1,), (1,)), ((), ())), preferred_element_type=i32)
+        if noisy:
+            xb = xb + jnp.sum(chunk.astype(i32) * b_ref[0, at, 0, :, pl.ds(k * depth, depth)].astype(i32), 1)
+        return acc, xb
 
-        def accumulate(k, carry):
-            acc, xb = carry
-            chunk = inputs(k)
-            weights = w_ref[0, at, 0, :, pl.ds(k * depth, depth)]
-            acc = acc + jax.lax.dot_general(
-                chunk, weights, (((1,), (1,)), ((), ())), preferred_element_type=i32
-            )
-            if noisy:
-                xb = xb + jnp.sum(
-                    chunk.astype(i32) * b_ref[0, at, 0, :, pl.ds(k * depth, depth)].astype(i32), 1
-                )
-            return acc, xb
+    zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
+    acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
+    if noisy:  # the rank-1 term ((x B) >> NOISE_FRAC) A^T >> sigma_shift, on this side
+        term = a_ref[0, at, 0].astype(i32) * (sign * (xb >> NOISE_FRAC))[:, None]
+        acc = acc + (term >> shift_ref[0])
+    out = divide_to_int8(acc, divisor)
+    out_ref[0, 0] = out if not added else clipped_add(out, residual_ref[0])
 
-        zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
-        acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
-        if noisy:  # the rank-1 term ((x B) >> NOISE_FRAC) A^T >> sigma_shift, on this side
-            term = a_ref[0, at, 0].astype(i32) * (sign * (xb >> NOISE_FRAC))[:, None]
-            acc = acc + (term >> shift_ref[0])
-        out = divide_to_int8(acc, divisor)
-        out_ref[0, 0] = out if residual is None else clipped_add(out, residual_ref[0])
+
+def product_specs(x, w, a, b, shifts, layer, gain, residual, tile: tuple[int, int, int]):
+    """product_kernel's operands and the block of each that a program of its grid (replica k, matrix
+    g, pair tile i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n inputs."""
+    from jax.experimental import pallas as pl
+
+    rows, columns, n = tile
+    layers_x, layers = x.shape[0], w.shape[1]
+    pair_tiles = (a.shape[3] if a is not None else x.shape[2]) // rows
+    column_tiles = w.shape[3] // columns
 
     def pair(i):
         return i % pair_tiles
@@ -764,7 +754,7 @@ def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, i
         spec((1, layers, 1, columns, n), lambda k, g, i, j, s: (g, 0, k, j, 0)),
     ]
     operands = [jnp.reshape(layer, (1,)).astype(i32), x, w]
-    if noisy:
+    if a is not None:
         in_specs += [
             spec((1, layers, 1, rows, columns), lambda k, g, i, j, s: (g, 0, k, pair(i), j)),
             spec((1, layers, 1, rows, n), lambda k, g, i, j, s: (g, 0, k, pair(i), 0)),
@@ -780,24 +770,64 @@ def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, i
     if residual is not None:
         in_specs.append(spec((1, rows, columns), lambda k, g, i, j, s: (k, i, s * column_tiles + j)))
         operands.append(residual)
-    out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
-    # the bytes it reads and writes: one layer of each stacked operand, the rest whole
+    return in_specs, operands
+
+
+def product_cost(x, w, a, b, gain, residual, out) -> tuple[int, int]:
+    """(bytes, MACs) of one product_kernel call, as its name declares them: one layer of each stacked
+    operand (the call reads only `layer`'s), the residual and the output whole."""
+    layers_x, layers = x.shape[0], w.shape[1]
     per_layer = [x.nbytes // layers_x, w.nbytes // layers] + [
         o.nbytes // layers for o in (a, b, gain) if o is not None
     ]
     moved = sum(per_layer) + (residual.nbytes if residual is not None else 0) + math.prod(out.shape)
-    macs = groups * replicas * pairs * sides * m * n
+    return moved, math.prod(out.shape) * w.shape[-1]
+
+
+def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, interpret: bool):
+    """Every member's int8 product with G matrices: out[g] = x' (W_g + sigma E_g)^T / (16 sqrt(n)), as
+    int8, where x' = layer_norm(x, gain) (with a gain) or x, plus the residual (with one), as
+    matmul, layer_norm and clipped_add compute it.
+
+    x (Lx, K, Q, S n) int8 (Lx = L with x_layered: the states, read at `layer`); w (G, L, K, m, n);
+    a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
+    (K,) int32; layer () int32; gain (L, K, D, S n), (L, K, 1, n) (every row's) or None; residual
+    (K, Q, S m) or None. Returns (G, K, Q, S m). A program (product_program) computes a tile of
+    pairs and outputs of one side of one matrix."""
+    from jax.experimental import pallas as pl
+
+    layers_x, replicas, pairs, _ = x.shape
+    groups, layers, _, m, n = w.shape
+    sides = x.shape[3] // n
+    noisy = a is not None
+    distinct = a.shape[3] if noisy else pairs
+    rows, columns, depth = (
+        max(t for t in (16, 32, 64) if t <= cap and d % t == 0)
+        for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
+    )
+    column_tiles = m // columns
+    program = partial(
+        product_program,
+        noisy=noisy,
+        gained=gain is not None,
+        added=residual is not None,
+        x_layered=x_layered,
+        tile=(rows, columns, depth, n),
+    )
+    in_specs, operands = product_specs(x, w, a, b, shifts, layer, gain, residual, (rows, columns, n))
+    out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
+    moved, macs = product_cost(x, w, a, b, gain, residual, out)
     compiler = None
     if not interpret:
         from jax.experimental.pallas import triton as pallas_triton
 
         compiler = pallas_triton.CompilerParams(num_warps=4, num_stages=2)
     return pl.pallas_call(
-        kernel,
+        program,
         out_shape=out,
         grid=(replicas, groups, pairs // rows, column_tiles, sides),
         in_specs=in_specs,
-        out_specs=spec((1, 1, rows, columns), lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)),
+        out_specs=pl.BlockSpec((1, 1, rows, columns), lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)),
         interpret=interpret,
         name=f"{PRODUCT_KERNEL}_{moved}_{macs}",
         compiler_params=compiler,
@@ -1362,6 +1392,69 @@ REPLICATED = jax.sharding.PartitionSpec()  # parameters, update rule state, batc
 SPREAD = jax.sharding.PartitionSpec(None, POP)  # states and fitness (K, members, ...): members spread
 
 
+def noise_sources(cfg: Config, seeds, generation, start, distinct: int):
+    """(noise_of, z_of) of a device whose first member is `start` and which evaluates `distinct`
+    noises: noise_of(segment) the noise of this device's pairs in a segment (K, distinct, ...);
+    z_of(weights (K, S, D)) every parameter's Z (K, ...) over every pair of every segment. With
+    cfg.noise_per_segment each segment's noise is built where it is used, twice (for the fitness,
+    then for Z, summed segment by segment); else every segment's at once, threefry once a pair,
+    kept for the update."""
+    offset = (start // 2) % cfg.distinct_pairs
+    if cfg.noise_per_segment:
+
+        def noise_of(segment, first=offset, count=distinct):
+            return jax.vmap(lambda seed: segment_noise(cfg, seed, generation, segment, first, count))(seeds)
+
+        def z_of(weights):
+            def add(z, segment):
+                noise = noise_of(segment, 0, cfg.distinct_pairs)
+                found = jax.vmap(partial(z_statistics, cfg=cfg))(noise, weights[:, segment])
+                return jax.tree.map(jnp.add, z, found), None
+
+            zero = {k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in PARAM_NAMES}
+            return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
+
+        return noise_of, z_of
+    noise = jax.vmap(lambda seed: generation_noise(cfg, seed, generation))(seeds)  # (K, S D, ...)
+
+    def noise_of(segment):
+        return jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, segment * cfg.distinct_pairs + offset, distinct, 1),
+            noise,
+        )
+
+    def z_of(weights):
+        return jax.vmap(partial(z_statistics, cfg=cfg))(noise, weights.reshape(weights.shape[0], -1))
+
+    return noise_of, z_of
+
+
+def segments_fitness(cfg: Config, params, noise_of, states, tokens, sigma_shifts):
+    """Every segment in turn (a scan per segment length): fitness (S, K, members), states. tokens
+    (members, T + 1): this device's members' bytes; noise_of(segment) their noise, or None."""
+    members = tokens.shape[0]
+
+    def segment(states, xs):
+        index, inputs, targets = xs
+        if cfg.shared_pair_state:
+            states = jax.vmap(pair_mean)(states)
+        nz = noise_of(index)
+        fitness, states = population_fitness(params, nz, states, inputs, targets, sigma_shifts, cfg)
+        return states, fitness
+
+    parts, segment_start, token_start = [], 0, 0
+    for count, length in segment_lengths(cfg):
+
+        def cut(x, a=token_start, n=count, length=length):  # (n, members, length): each segment's bytes
+            return jnp.moveaxis(x[:, a : a + n * length].reshape(members, n, length), 1, 0)
+
+        indices = segment_start + jnp.arange(count)
+        states, out = jax.lax.scan(segment, states, (indices, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
+        parts.append(out)
+        segment_start, token_start = segment_start + count, token_start + count * length
+    return jnp.concatenate(parts), states
+
+
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "train"):
     """One generation of every replica as one jitted call: population fitness, then the update.
 
@@ -1381,74 +1474,14 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
     by_replica = jax.vmap  # over the leading replica axis of every argument
 
-    def noise_sources(seeds, generation, start):
-        """(noise_of, z_of): noise_of(segment) the noise of this device's pairs in a segment (K,
-        distinct, ...); z_of(weights (K, S, D)) every parameter's Z (K, ...) over every pair of
-        every segment. With cfg.noise_per_segment each segment's noise is built where it is used,
-        twice (for the fitness, then for Z, summed segment by segment); else every segment's at
-        once, threefry once a pair, kept for the update."""
-        offset = (start // 2) % cfg.distinct_pairs
-        if cfg.noise_per_segment:
-
-            def noise_of(segment, first=offset, count=distinct):
-                return by_replica(lambda seed: segment_noise(cfg, seed, generation, segment, first, count))(
-                    seeds
-                )
-
-            def z_of(weights):
-                def add(z, segment):
-                    noise = noise_of(segment, 0, cfg.distinct_pairs)
-                    found = by_replica(partial(z_statistics, cfg=cfg))(noise, weights[:, segment])
-                    return jax.tree.map(jnp.add, z, found), None
-
-                zero = {k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in PARAM_NAMES}
-                return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
-
-            return noise_of, z_of
-        noise = by_replica(lambda seed: generation_noise(cfg, seed, generation))(seeds)  # (K, S D, ...)
-
-        def noise_of(segment):
-            return jax.tree.map(
-                lambda x: jax.lax.dynamic_slice_in_dim(x, segment * cfg.distinct_pairs + offset, distinct, 1),
-                noise,
-            )
-
-        def z_of(weights):
-            return by_replica(partial(z_statistics, cfg=cfg))(noise, weights.reshape(weights.shape[0], -1))
-
-        return noise_of, z_of
-
-    def segments_fitness(params, noise_of, states, tokens, sigma_shifts):
-        """Every segment in turn (a scan per segment length): fitness (S, K, members), states."""
-
-        def segment(states, xs):
-            index, inputs, targets = xs
-            if cfg.shared_pair_state:
-                states = by_replica(pair_mean)(states)
-            nz = noise_of(index)
-            fitness, states = population_fitness(params, nz, states, inputs, targets, sigma_shifts, cfg)
-            return states, fitness
-
-        parts, segment_start, token_start = [], 0, 0
-        for count, length in segment_lengths(cfg):
-
-            def cut(x, a=token_start, n=count, length=length):  # (n, members, length): each segment's bytes
-                return jnp.moveaxis(x[:, a : a + n * length].reshape(members, n, length), 1, 0)
-
-            indices = segment_start + jnp.arange(count)
-            states, out = jax.lax.scan(segment, states, (indices, cut(tokens[:, :-1]), cut(tokens[:, 1:])))
-            parts.append(out)
-            segment_start, token_start = segment_start + count, token_start + count * length
-        return jnp.concatenate(parts), states
-
     def local_step(params, opt, states, batch, generation, thresholds, seeds, sigma_shifts):
         start = jax.lax.axis_index(POP) * members  # this device's first member
         tokens = batch[(start + jnp.arange(members)) // cfg.group_size]  # (members, T + 1)
         if part == "inference":
             noise_of, z_of = (lambda segment: None), None
         else:
-            noise_of, z_of = noise_sources(seeds, generation, start)
-        fitness, states = segments_fitness(params, noise_of, states, tokens, sigma_shifts)
+            noise_of, z_of = noise_sources(cfg, seeds, generation, start, distinct)
+        fitness, states = segments_fitness(cfg, params, noise_of, states, tokens, sigma_shifts)
         if part != "train":
             return params, opt, states, jnp.sum(fitness, axis=0), jnp.zeros((), i32)
         shaped = by_replica(partial(shape_fitness, cfg=cfg, axis=POP))(jnp.moveaxis(fitness, 0, 1))
