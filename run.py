@@ -1372,13 +1372,6 @@ def apply_rule(params, opt, z: dict, weights, thresholds, cfg: Config):
     return new, new_opt, jnp.concatenate(moved)
 
 
-def es_update(params, opt, noise, scores, thresholds, cfg: Config):
-    """One model's update from every noise of the generation (generation_noise) and the scores
-    (scored_pairs,), segment-major: Z is one int32 matrix product per parameter (apply_rule)."""
-    weights = pair_weights(scores, cfg).reshape(-1)  # (noise_pairs,), as generation_noise orders them
-    return apply_rule(params, opt, z_statistics(noise, weights, cfg), weights, thresholds, cfg)
-
-
 def pair_mean(states):
     """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
     of their two hidden states, rounded half away from zero (int8: |mean| <= 127). states (M, L, n)."""

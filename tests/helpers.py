@@ -96,6 +96,14 @@ def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: in
     return np.asarray(fitness)[0], np.asarray(states)[0]
 
 
+def es_update(params, opt, noise, scores, thresholds, cfg):
+    """One model's update as the generation step makes it from every noise of the generation
+    (run.generation_noise) and the scores (scored_pairs,), segment-major: the pairs' weights, Z of
+    every parameter, then the rule."""
+    weights = run.pair_weights(scores, cfg).reshape(-1)  # (noise_pairs,), as generation_noise orders them
+    return run.apply_rule(params, opt, run.z_statistics(noise, weights, cfg), weights, thresholds, cfg)
+
+
 def one_model_step(step, carry, batch, generation: int, thresholds, seed: int, sigma_shift: int):
     """A compiled step (run.make_generation_step) of a single model: carry (params, opt, states)
     without the replica axis in and out; (params, opt, states, fitness, moved) as numpy."""

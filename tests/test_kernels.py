@@ -94,8 +94,15 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
 GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)  # what make_config gives a GPU, interpreted
 
 
+def counting_kernel_calls(monkeypatch) -> list:
+    """A list that grows by one each time a product is traced through the kernel."""
+    calls, kernel = [], run.product_kernel
+    monkeypatch.setattr(run, "product_kernel", lambda *a: calls.append(1) or kernel(*a))
+    return calls
+
+
 @pytest.mark.parametrize("flags", [[], ["--algorithm", "upstream"]])
-def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags):
+def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkeypatch):
     """32D-2L, population 64 in 3 segments, two generations:
     the kernel for every product and each segment's noise built twice (for the fitness, then for Z
     summed segment by segment) give the parameters, update rule state, states, fitness and moved
@@ -126,7 +133,7 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags):
     opt = jax.tree.map(np.asarray, run.init_optimizer(cpu))
     batches = rng.integers(1, 256, (2, cpu.population // 2, cpu.tokens + 1)).astype(np.uint8)
     thresholds = run.z_thresholds(args, cpu)
-    results = []
+    results, calls = [], counting_kernel_calls(monkeypatch)
     for cfg in (cpu, gpu):
         step = run.make_generation_step(cfg, mesh)
         carry, out = (params, opt, states), []
@@ -136,18 +143,24 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags):
             )
             out.append((carry, fitness, moved))
         results.append(out)
+        assert bool(calls) == (cfg is gpu)  # XLA's products on the CPU, the kernel's on the GPU
+    # every product of every traced forward is the kernel's: the layer scan's body (Wf and Wh together,
+    # Uf, Uh, W1, W2) and the head
+    assert calls and len(calls) % 6 == 0
     for left, right in zip(*results, strict=True):
         jax.tree.map(np.testing.assert_array_equal, left, right)
     assert sum(int(np.sum(m)) for _, _, m in results[0]) > 0
 
 
-def test_validation_as_a_gpu_runs_it_equals_the_cpus():
+def test_validation_as_a_gpu_runs_it_equals_the_cpus(monkeypatch):
     args = run.parse_args(["--n_embd", "32", "--n_layer", "2", "--replicas", "2"])
     cfg = run.make_config(args)
     mesh = run.population_mesh(jax.devices()[:1])
     params = jax.vmap(lambda seed: run.init_params(cfg, seed))(jnp.array([0, 1]))
     rows = np.random.default_rng(2).integers(0, 256, (32, 9)).astype(np.uint8)
+    calls = counting_kernel_calls(monkeypatch)
     got = [np.asarray(run.make_evaluate(c, mesh)(params, rows)) for c in (cfg, cfg._replace(**GPU_LIKE))]
+    assert calls  # the GPU-like evaluation's products are the kernel's
     np.testing.assert_array_equal(*got)
 
 

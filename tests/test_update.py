@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import es_update
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
@@ -104,7 +105,7 @@ def test_update_equals_slow_numpy_reference(overrides):
     scores = np.array([1, -1, 1, 1] if c.fast_fitness else [100, -37, 5, -127])
     # low enough that many entries move (sign mode: |Z| <= pairs * rank)
     thresholds = np.array([300, 12] if c.use_clt else [2, 1], np.int32)
-    got, _, moved = run.es_update(params, {}, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
+    got, _, moved = es_update(params, {}, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
     want = reference_update(params, noise, scores, thresholds, c)
     changed = 0
     for name in run.PARAM_NAMES:
@@ -196,7 +197,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     rng = np.random.default_rng(1)
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
-    _, _, moved = jax.jit(lambda p, n, s, t: run.es_update(p, {}, n, s, t, c))(
+    _, _, moved = jax.jit(lambda p, n, s, t: es_update(p, {}, n, s, t, c))(
         params, noise, scores, run.z_thresholds(args, c)[0]
     )
     total = sum(int(p.size) for p in params.values())
@@ -320,7 +321,7 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
         scores = rng.integers(-1, 2, 4) if c.fast_fitness else rng.integers(-127, 128, 4)
         params, opt, moved = jax.tree.map(
             np.asarray,
-            run.es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
+            es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
         )
         for name, z in reference_z(ref_params, noise, scores, c).items():
             kind = run.kind_of(name)
