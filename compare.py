@@ -6,10 +6,11 @@ trains replicas (--replicas) reports its best replica, and in a second row its m
     python compare.py --data english.txt stdlib --variants "egg=" "upstream=--algorithm upstream" \
         --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256" --num_epochs 1000
 
-Every run is `python run.py FLAGS VARIANT --data CORPUS --seed S`, one after another (each uses the
-whole machine), its metrics read back from its metrics.jsonl; a variant whose flags start with
-@backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation on the same
-bytes, e.g. "gru=@backprop --model mingru"). The wall-time column is the last validation reached
+Every run is `python run.py FLAGS --data CORPUS --seed S --num_epochs N ... VARIANT`, one after
+another (each uses the whole machine), its metrics read back from its metrics.jsonl; a variant's
+flags come last, so they win over the common ones (e.g. its own --num_epochs). A variant whose flags
+start with @backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation
+on the same bytes, e.g. "gru=@backprop --model mingru --num_epochs 1000": steps, not generations). The wall-time column is the last validation reached
 within --wall_seconds of training (compilation and validation excluded), the bytes column the last
 within --train_bytes bytes trained on, so validate often (--validate_every) for them to mean much.
 --plot draws every variant's curves against generations, training seconds and training bytes.
@@ -175,10 +176,10 @@ def compare(args: CompareArgs) -> str:
                 script, own = (
                     ("baselines/backprop.py", flags[1:]) if flags[:1] == ["@backprop"] else ("run.py", flags)
                 )
-                command = [sys.executable, str(ROOT / script), *shlex.split(args.flags), *own]
-                command += [*data_flags(corpus), "--seed", str(seed), "--num_epochs", str(args.num_epochs)]
+                command = [sys.executable, str(ROOT / script), *shlex.split(args.flags), *data_flags(corpus)]
+                command += ["--seed", str(seed), "--num_epochs", str(args.num_epochs)]
                 command += ["--validate_every", str(args.validate_every), "--runs_dir", runs_dir]
-                command += ["--run_name", run_name, "--save_every", "0"]
+                command += ["--run_name", run_name, "--save_every", "0", *own]  # last: a variant's win
                 print(f"running {shlex.join(command[1:])}", flush=True)
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode:

@@ -96,7 +96,7 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
     """A run.py variant and the two backprop baselines (baselines/backprop.py) on one corpus: each
     parses into the table, the training-bytes column reads each run's own bytes, and the plot
     (written, then read back) has one curve per variant in each of its three panels, besides the
-    unigram and bigram lines."""
+    unigram and bigram lines. A variant's own flags win over the common ones (tf's --num_epochs)."""
     import matplotlib.image
 
     corpus = tmp_path / "text_train.bin"
@@ -106,7 +106,7 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
         variants=(
             "es=",
             "gru=@backprop --model mingru --batch_size 4 --window 16",
-            "tf=@backprop --model transformer --batch_size 4 --window 16",
+            "tf=@backprop --model transformer --batch_size 4 --window 16 --num_epochs 6",  # its own length
         ),
         data=(str(corpus),),
         seeds=(0, 1),
@@ -128,7 +128,7 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
                 json.loads(x)
                 for x in (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl").read_text().splitlines()
             ]
-            assert [x["generation"] for x in lines] == [1, 2, 3, 4]
+            assert [x["generation"] for x in lines] == list(range(1, 7 if name == "tf" else 5))
             values.append(lines[1]["val/bits_per_byte"])  # generation 2: the last validation within 200 bytes
         assert rows[name][-3:] == f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}".split()
     assert rows["es"][-1] == "-"  # population 16 x 8 bytes = 128 a generation: no validation within 200
