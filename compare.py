@@ -10,10 +10,11 @@ Every run is `python run.py FLAGS --data CORPUS --seed S --num_epochs N ... VARI
 another (each uses the whole machine), its metrics read back from its metrics.jsonl; a variant's
 flags come last, so they win over the common ones (e.g. its own --num_epochs). A variant whose flags
 start with @backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation
-on the same bytes, e.g. "gru=@backprop --model mingru --num_epochs 1000": steps, not generations). The wall-time column is the last validation reached
-within --wall_seconds of training (compilation and validation excluded), the bytes column the last
-within --train_bytes bytes trained on, so validate often (--validate_every) for them to mean much.
---plot draws every variant's curves against generations, training seconds and training bytes.
+on the same bytes, e.g. "gru=@backprop --model mingru --num_epochs 1000": steps, not generations).
+The wall-time column is the last validation reached within --wall_seconds of training (compilation
+and validation excluded), the bytes column the last within --train_bytes bytes trained on, so
+validate often (--validate_every) for them to mean much. --plot draws every variant's curves against
+generations, training seconds and training bytes; --reuse reads runs an earlier comparison made.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class CompareArgs:
     flags: str = ""
     """run.py flags common to every run"""
     runs_dir: str = "runs/compare"
+    reuse: tuple[str, ...] = ()
+    """folders of earlier comparisons: a run whose folder (NAME-CORPUS-seedS) one of them holds is
+    read from there, not trained again (so that one table or plot can join several comparisons)"""
     """folder that gets one subfolder per comparison (its start time), holding the runs' folders"""
 
 
@@ -173,6 +177,13 @@ def compare(args: CompareArgs) -> str:
             results[corpus][name] = []
             for seed in args.seeds:
                 run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
+                earlier = [
+                    Path(d) / run_name for d in args.reuse if (Path(d) / run_name / "metrics.jsonl").exists()
+                ]
+                if earlier:
+                    print(f"reading {earlier[0]}", flush=True)
+                    results[corpus][name].append(read_run(earlier[0]))
+                    continue
                 script, own = (
                     ("baselines/backprop.py", flags[1:]) if flags[:1] == ["@backprop"] else ("run.py", flags)
                 )

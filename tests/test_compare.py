@@ -1,5 +1,6 @@
 """compare.py: the learning comparison's table against the runs' own metrics files."""
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,6 +49,11 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
     assert rows["plain"] != rows["momentum"]
     for kind, value in baselines.items():
         assert rows[kind].split()[1:] == [f"{value:.3f}"] * 3
+    # --reuse: the same comparison read back from those runs' folders, nothing trained again
+    again = dataclasses.replace(
+        args, reuse=(str(tmp_path / "nowhere"), str(folder)), runs_dir=str(tmp_path / "new")
+    )
+    assert compare.compare(again) == text and not (tmp_path / "new").exists()
 
 
 def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(tmp_path):
