@@ -58,10 +58,10 @@ class CompareArgs:
     flags: str = ""
     """run.py flags common to every run"""
     runs_dir: str = "runs/compare"
+    """folder that gets one subfolder per comparison (its start time), holding the runs' folders"""
     reuse: tuple[str, ...] = ()
     """folders of earlier comparisons: a run whose folder (NAME-CORPUS-seedS) one of them holds is
     read from there, not trained again (so that one table or plot can join several comparisons)"""
-    """folder that gets one subfolder per comparison (its start time), holding the runs' folders"""
 
 
 def parse_variants(specs: tuple[str, ...]) -> dict[str, list[str]]:

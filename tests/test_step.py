@@ -83,6 +83,29 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
         assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo], name
 
 
+@pytest.mark.parametrize("overrides", [{}, dict(replicas=2, replica_sigma_shift=(3, 5))])
+def test_the_cpus_step_and_validation_copy_no_weight_transposed(overrides):
+    """Each product is a plain dot of the weights as stored (m, n): a dot batched over the replica
+    axis made XLA:CPU copy every weight transposed at every layer and byte."""
+    args, c, batch = setup(n_embd=16, **overrides)
+    mesh = run.population_mesh(jax.devices()[:1])
+    settings = run.replica_settings(args)
+    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
+    transposed = {tuple(params[k].shape[-1:-3:-1]) for k in run.MATRICES}  # (n, m) of each (m, n)
+    programs = {
+        "step": (
+            run.make_generation_step(c, mesh),
+            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
+        ),
+        "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
+    }
+    for name, (program, inputs) in programs.items():
+        hlo = program.lower(*inputs).compile().as_text()
+        shapes = re.findall(r"s8\[([0-9,]+)\]\{[0-9,]+\} transpose\(", hlo)
+        copies = [d for d in shapes if tuple(map(int, d.split(",")))[-2:] in transposed]
+        assert "s32" in hlo and not copies, (name, copies)
+
+
 def run_generations(step, args, c, batch, generations=3):
     carry = (
         run.init_params(c, args.seed),
