@@ -673,6 +673,9 @@ def layer_norm(x, gain, tables: Tables):
 
 PRODUCT_KERNEL = "int8_product"  # its name in the compiled program: int8_product_<bytes>_<MACs>
 TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
+# at least, inputs: with 16-deep int8 tiles the compiled kernel summed every product twice on an H200
+# (JAX 0.11.2's Triton; Hopper's int8 MMA is 32 deep), exact from 32 on; the interpreter cannot show it
+TILE_DEPTH_MIN = 32
 
 
 def power_of_two(x: int) -> bool:
@@ -681,8 +684,10 @@ def power_of_two(x: int) -> bool:
 
 def product_kernel_takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     """Whether the kernel takes a product of these shapes: tiles of powers of two >= 16 (Triton's
-    int8 dots), whole tiles of pairs within the distinct ones."""
-    return power_of_two(m) and power_of_two(n) and distinct % 16 == 0 and pairs % distinct == 0
+    int8 dots), at least 32 inputs deep (TILE_DEPTH_MIN), whole tiles of pairs within the distinct
+    ones."""
+    shaped = power_of_two(m) and power_of_two(n) and n >= TILE_DEPTH_MIN
+    return shaped and distinct % 16 == 0 and pairs % distinct == 0
 
 
 def product_program(*refs, noisy: bool, gained: bool, added: bool, x_layered: bool, tile: tuple[int, ...]):
@@ -1156,10 +1161,15 @@ def shape_fitness(fitness, cfg: Config, axis: str | None = None):
         return jnp.sign(diff).astype(jnp.int8)
     size = jnp.abs(diff)
     pairs = diff.size * (cfg.devices if axis is not None else 1)
-    total = (lambda x: jax.lax.psum(jnp.sum(x), axis)) if axis is not None else jnp.sum
-    # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs): the first sum
-    # is <= max |d| and the second < pairs**2 (both bounded in accumulator_bounds)
-    mean = jnp.maximum(total(size // pairs) + total(size % pairs) // pairs, 1)
+    # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs), the second sum
+    # taken in chunks whose sums stay int32 (remainders_chunk): sum floor(c / pairs) over the
+    # chunks' sums c, plus floor(sum (c mod pairs) / pairs), under chunks x pairs (accumulator_bounds)
+    chunk = remainders_chunk(pairs)
+    rest = (size % pairs).reshape(-1)
+    sums = jnp.sum(jnp.pad(rest, (0, -rest.size % chunk)).reshape(-1, chunk), axis=1)
+    parts = jnp.stack([jnp.sum(size // pairs), jnp.sum(sums // pairs), jnp.sum(sums % pairs)])
+    quotients, chunked, rests = jax.lax.psum(parts, axis) if axis is not None else parts
+    mean = jnp.maximum(quotients + chunked + rests // pairs, 1)
     quotient, rest, divisor = size // mean, (size % mean).astype(jnp.uint32), mean.astype(jnp.uint32)
     scaled = jnp.minimum(quotient, INT8_MAX >> FIT_FRAC)  # 8 or more saturates at 127 below
     for _ in range(FIT_FRAC):  # the fraction's bits by long division: rest < divisor < 2**31
@@ -1168,6 +1178,12 @@ def shape_fitness(fitness, cfg: Config, axis: str | None = None):
         rest, scaled = jnp.where(bit, rest - divisor, rest), scaled * 2 + bit.astype(i32)
     scaled = jnp.where(quotient > INT8_MAX >> FIT_FRAC, INT8_MAX, scaled)
     return (jnp.sign(diff) * scaled).astype(jnp.int8)
+
+
+def remainders_chunk(pairs: int) -> int:
+    """How many remainders d mod pairs (each < pairs) shape_fitness sums at a time: as many as keep
+    the sum int32."""
+    return max(1, INT32_MAX // pairs)
 
 
 def shaped_score_rms(fast_fitness: bool) -> float:
@@ -1684,8 +1700,8 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
             noise_pairs(cfg) * (repeats * score_max) ** 2,
             SMALLER_POPULATION,
         ),
-        "sum of |pair difference| mod pairs (normalised fitness)": (
-            0 if cfg.fast_fitness else pairs * (pairs - 1),
+        "sum of |pair difference| mod pairs (normalised fitness), over its chunks": (
+            0 if cfg.fast_fitness else (-(-pairs // remainders_chunk(pairs)) + cfg.devices) * pairs,
             SMALLER_POPULATION,
         ),
         "count of moved entries of one layer's tensor": (
@@ -3239,6 +3255,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+def memory_left(mesh) -> tuple[float, int]:
+    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
+    device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
+    return host_memory_left(), len(mesh.local_devices)
+
+
 def host_memory_left() -> float:
     """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is unknown)."""
     try:
@@ -3296,8 +3321,8 @@ def prepare_kind(
     label: str, kind_args: Args, part: str, mesh, rng, notes: list, check_room=False
 ) -> Kind | None:
     """Compile one kind ahead of time and run its first generation. With `check_room`: None (and a
-    note) where, on the CPU, its temporaries on every device would not fit in what the host has
-    left (full-rank ES at the default model: every device builds all of its noise)."""
+    note) where its temporaries would not fit in the memory left (memory_left; full-rank ES at the
+    default model: every device builds all of its noise)."""
     cfg = mesh_config(kind_args, mesh)
     settings = replica_settings(kind_args)
     carry = on_mesh(*init_run(cfg, [s["seed"] for s in settings]), mesh)
@@ -3305,11 +3330,11 @@ def prepare_kind(
     batch = global_array(batch, mesh, REPLICATED)
     inputs = replica_inputs(dataclasses.replace(kind_args, num_epochs=1), cfg, settings, 0)
     compiled = compile_generation(cfg, mesh, part, carry, batch, inputs)
-    need = compiled.temporaries * 2**20 * len(mesh.local_devices)
-    if check_room and mesh.devices.flat[0].platform == "cpu" and need > (left := host_memory_left()):
+    left, sharing = memory_left(mesh) if check_room else (math.inf, 1)
+    if (need := compiled.temporaries * 2**20 * sharing) > left:
         notes.append(
-            f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on this "
-            f"process's {len(mesh.local_devices)} device(s), more than the {left / 2**30:.1f} GiB free"
+            f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on "
+            f"{sharing} device(s), more than the {left / 2**30:.1f} GiB free"
         )
         return None
     kind = Kind(label, cfg, compiled, batch, inputs, carry, [])

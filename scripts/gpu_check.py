@@ -9,7 +9,7 @@
    --benchmark --target h100 models for it;
 4. one generation of each of those configurations profiled kernel by kernel (JAX's profiler),
    beside the cost model's time for the same kernels of the same compiled program;
-and prints the measured tables last.
+and prints each table as it is measured, then all of them again, last.
 
     python scripts/gpu_check.py                        # on the GPU machine, from the repository root
     python scripts/gpu_check.py --platform cpu --quick   # its CPU part (what the tests run)
@@ -24,6 +24,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -104,12 +106,15 @@ def same_training(platform: str, out: Path) -> list[str]:
 
 
 def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
-    """(measured table lines, modeled report lines) of one configuration."""
+    """(measured table lines, modeled report lines) of one configuration; a run that fails gives one
+    FAILED line with its last error line instead (the other configurations still run)."""
     measured = run_py("--benchmark", *flags, "--num_epochs", str(generations), platform=platform)
     modeled = run_py("--benchmark", "--target", "h100", *flags, platform="cpu")
     for done in (measured, modeled):
         if done.returncode:
-            raise SystemExit(f"--benchmark {' '.join(flags)} failed:\n{done.stderr[-3000:]}")
+            print(done.stderr[-3000:], file=sys.stderr, flush=True)
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return [f"FAILED: {shlex.join(done.args[2:])}: {last}"], []
     keep = ("device:", "a training", "b fitness", "c inference", "training / inference")
     table = [line for line in measured.stdout.splitlines() if line.startswith(keep)]
     report = [
@@ -122,7 +127,8 @@ def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[
 
 def kernel_times(trace: Path) -> dict[str, float]:
     """{kernel: microseconds} summed over a Perfetto trace's device events (JAX's profiler): the
-    complete events of every process named /device:..., by name."""
+    complete events of every process named /device:..., by name (a product kernel's compiled
+    variants, NAME__1, NAME__2, ..., under NAME)."""
     events = json.load(gzip.open(trace))
     events = events["traceEvents"] if isinstance(events, dict) else events
     devices = {
@@ -130,10 +136,11 @@ def kernel_times(trace: Path) -> dict[str, float]:
         for e in events
         if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
     }
-    totals = {}
+    product, totals = run_module().PRODUCT_KERNEL + "_", {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices:
-            totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+            name = re.sub(r"__\d+$", "", e["name"]) if e["name"].startswith(product) else e["name"]
+            totals[name] = totals.get(name, 0.0) + float(e.get("dur", 0.0))
     return totals
 
 
@@ -161,12 +168,19 @@ def profile_generation(
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
         jax.block_until_ready(compiled.step(*carry, batch, np.int32(1), *inputs))
     (trace,) = folder.glob("**/perfetto_trace.json.gz")
-    roofline = run.ROOFLINES["h100"]
-    modeled = {}
-    for k in run.gpu_kernels(compiled.step.as_text()):
+    return kernel_times(trace), modeled_times(compiled.step.as_text())
+
+
+def modeled_times(hlo: str) -> dict[str, float]:
+    """{kernel: modeled us a generation} of a compiled program (run.py's cost model for an H100), by
+    the names a trace gives: a product kernel's declared name (its calls summed), else the HLO's."""
+    run = run_module()
+    roofline, modeled = run.ROOFLINES["h100"], {}
+    for k in run.gpu_kernels(hlo):
         seconds = k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
-        modeled[k.name.replace(".", "_")] = seconds * 1e6
-    return kernel_times(trace), modeled
+        name = f"{run.PRODUCT_KERNEL}_{k.bytes}_{k.macs}" if k.kind == "product" else k.name.replace(".", "_")
+        modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
+    return modeled
 
 
 def compare_kernels(measured: dict[str, float], modeled: dict[str, float], top: int = 12) -> list[str]:
@@ -189,7 +203,9 @@ def main(args: Args) -> int:
     if not args.skip_tests:
         env = {**os.environ, "JAX_PLATFORMS": args.platform}
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", *TESTS, "-k", "not benchmark"], cwd=ROOT, env=env
+            [sys.executable, "-m", "pytest", "-q", "--maxfail=10", *TESTS, "-k", "not benchmark"],
+            cwd=ROOT,
+            env=env,
         )
         results.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
     digests = same_training(args.platform, out)
@@ -197,14 +213,17 @@ def main(args: Args) -> int:
     verdict = "identical" if same else "DIFFERENT: a bug"
     where = f"20 generations on {args.platform} (its kernels; XLA's products) and on the CPU"
     results.append(f"{where}: {' / '.join(digests)}, {verdict}")
+    print(*results, sep="\n", flush=True)
     tables = []
     for name, (flags, generations) in (QUICK_BENCHMARKS if args.quick else BENCHMARKS).items():
         table, report = benchmark_lines(flags, generations, args.platform)
         measured, modeled = profile_generation(flags, args.platform, out)
-        tables += [f"== {name}: --benchmark (measured)", *table, "-- --target h100 (modeled)", *report]
-        tables += ["-- one training generation, kernel by kernel", *compare_kernels(measured, modeled)]
+        section = [f"== {name}: --benchmark (measured)", *table, "-- --target h100 (modeled)", *report]
+        section += ["-- one training generation, kernel by kernel", *compare_kernels(measured, modeled)]
+        print(*section, sep="\n", flush=True)  # as it comes: a run cut short keeps what it measured
+        tables += section
     print("\n".join([*tables, *results, f"(gpu_check: {time.time() - started:.0f} s, logs in {out})"]))
-    return 0 if same and all("FAILED" not in r for r in results) else 1
+    return 0 if same and all("FAILED" not in line for line in results + tables) else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ import importlib.util
 import json
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, tiny_args
+
+import run
 
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
@@ -27,16 +29,18 @@ def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):
         {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 12.5},
         {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 7.5},
         {"ph": "X", "pid": 2, "name": "loop_convert_fusion_1", "dur": 3.0},
+        {"ph": "X", "pid": 2, "name": "int8_product_96_512", "dur": 4.0},  # one kernel's two variants
+        {"ph": "X", "pid": 2, "name": "int8_product_96_512__1", "dur": 6.0},
     ]
     with gzip.open(tmp_path / "t.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     times = gpu_check.kernel_times(tmp_path / "t.json.gz")
-    assert times == {"gemm_fusion_dot_47": 20.0, "loop_convert_fusion_1": 3.0}
-    lines = gpu_check.compare_kernels(times, {"gemm_fusion_dot_47": 15.0, "loop_convert_fusion_1": 1.0})
-    assert lines[1].split() == ["gemm_fusion_dot_47", "20.0", "15.0"] and lines[-1].split()[-2:] == [
-        "23.0",
-        "16.0",
-    ]
+    assert times == {"gemm_fusion_dot_47": 20.0, "loop_convert_fusion_1": 3.0, "int8_product_96_512": 10.0}
+    modeled = {"gemm_fusion_dot_47": 15.0, "loop_convert_fusion_1": 1.0, "int8_product_96_512": 8.0}
+    lines = gpu_check.compare_kernels(times, modeled)
+    assert lines[1].split() == ["gemm_fusion_dot_47", "20.0", "15.0"]
+    assert lines[2].split() == ["int8_product_96_512", "10.0", "8.0"]
+    assert lines[-1].split()[-2:] == ["33.0", "24.0"]
 
 
 def test_one_generation_is_profiled_beside_the_cost_model_of_its_kernels(tmp_path):
@@ -45,3 +49,20 @@ def test_one_generation_is_profiled_beside_the_cost_model_of_its_kernels(tmp_pat
     assert list(tmp_path.glob("trace-0/**/perfetto_trace.json.gz"))
     assert measured == {}  # a CPU has no device events; a GPU's kernels are listed by name
     assert modeled and all(us > 0 for us in modeled.values())
+
+
+def test_the_models_product_kernels_go_by_the_names_a_trace_gives_them():
+    args = tiny_args("--n_embd", "32", "--parallel_generations_per_gpu", "64")
+    mesh = run.target_mesh("h100", 1)
+    cfg = run.mesh_config(args, mesh)
+    with run.without_compilation_cache():
+        step = run.make_generation_step(cfg, mesh, "train").lower(*run.abstract_inputs(args, cfg, mesh))
+        hlo = step.compile().as_text()
+    modeled = gpu_check.modeled_times(hlo)
+    kernels = run.gpu_kernels(hlo)
+    declared = {f"{run.PRODUCT_KERNEL}_{k.bytes}_{k.macs}" for k in kernels if k.kind == "product"}
+    assert declared and declared <= set(modeled)  # one entry per declared name, its calls summed
+    for name in declared:
+        calls = [k for k in kernels if k.kind == "product" and f"{k.bytes}_{k.macs}" in name]
+        assert modeled[name] > sum(k.runs for k in calls) * run.ROOFLINES["h100"].launch * 1e6 * 0.99
+    assert not [name for name in modeled if name.startswith("pallas_call")]  # none under its HLO name

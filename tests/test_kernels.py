@@ -169,3 +169,5 @@ def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
     assert not run.product_kernel_takes(pairs=64, distinct=32, m=48, n=256)  # 48: not a power of two
     assert not run.product_kernel_takes(pairs=8, distinct=8, m=64, n=64)  # fewer pairs than a tile
     assert not run.product_kernel_takes(pairs=64, distinct=32, m=8, n=64)  # Triton's dots: 16 at least
+    assert run.product_kernel_takes(pairs=64, distinct=32, m=16, n=32)
+    assert not run.product_kernel_takes(pairs=64, distinct=32, m=64, n=16)  # 16 deep: wrong on an H200

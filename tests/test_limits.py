@@ -132,18 +132,19 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
     cases = {
         # every |difference| at its largest: the sum of |d| is ~pairs x 2**31
         "all largest": np.full(pairs, biggest),
-        # remainders mod pairs at their largest: their sum is the bound pairs (pairs - 1)
+        # remainders mod pairs at their largest, pairs - 1: every chunk's sum at its largest
         "remainders": np.full(pairs, (biggest // pairs) * pairs - 1),
         "one outlier": np.where(np.arange(pairs) == 3, biggest, 100),
         "spread": rng.integers(0, biggest, pairs),
         "small": rng.integers(0, 40, pairs),
     }
-    remainders = sum(int(d) % pairs for d in cases["remainders"])
-    assert (
-        remainders
-        == bounds["sum of |pair difference| mod pairs (normalised fitness)"][0]
-        == pairs * (pairs - 1)
-    )
+    chunk = run.remainders_chunk(pairs)
+    rests = [int(d) % pairs for d in cases["remainders"]]
+    chunk_sums = [sum(rests[i : i + chunk]) for i in range(0, pairs, chunk)]
+    assert max(chunk_sums) == chunk * (pairs - 1) <= run.INT32_MAX < (chunk + 1) * pairs
+    rests_of_chunks = sum(c % pairs for c in chunk_sums)
+    bound = bounds["sum of |pair difference| mod pairs (normalised fitness), over its chunks"][0]
+    assert rests_of_chunks <= bound <= run.INT32_MAX < sum(rests)  # one sum of them would overflow
     for name, size in cases.items():
         signs = rng.choice([-1, 1], pairs)
         fitness = np.stack([np.where(signs > 0, 0, -size), np.where(signs > 0, -size, 0)], 1).ravel()
@@ -156,8 +157,8 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
 def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
     base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4, "segments": 1}
     population, error = largest("parallel_generations_per_gpu", 2048, **base)
-    # normalised scores: the int8 operand of Z (weighted_shift) leaves the mean |d|'s sum binding
-    assert ("Z of" if fast else "mod pairs") in error
+    # normalised scores: the int8 operand of Z (weighted_shift) leaves the squared weights binding
+    assert ("Z of" if fast else "squared pair weights") in error
     # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
     # weights, so Z reaches the same worst case as population / 2 distinct pairs would
     cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, num_perturbations=2048, **base))
@@ -175,13 +176,13 @@ def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
 @pytest.mark.parametrize("fast", [True, False])
 def test_bounds_count_every_segments_pairs(fast):
     """--segments S: one update weighs S times the pairs, so the largest population the bounds
-    allow (Z's with sign scores, the mean |d|'s with normalised ones) is 1 / S of the one without
+    allow (Z's with sign scores, the squared pair weights' with normalised ones) is 1 / S of the one without
     segments (to the search's step), and the refusal names the flag; by default a population gets
     the most segments, up to 10, that the bounds allow."""
     base = {"n_embd": 4, "tokens_per_update": 100, "fast_fitness": fast}
     alone, _ = largest("parallel_generations_per_gpu", 64, segments=1, **base)
     segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
-    assert ("Z of" if fast else "mod pairs") in error and "--segments" in error
+    assert ("Z of" if fast else "squared pair weights") in error and "--segments" in error
     assert segmented == alone // 4 // 64 * 64
     # the default (--segments 0) takes 10, or as many as the bound allows: every population runs
     for population in (2 * alone // 10, alone // 2, alone):

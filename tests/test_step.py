@@ -1,6 +1,7 @@
 """The jitted generation step: integer only, reproducible, antithetic and shared-noise layout."""
 
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -221,7 +222,18 @@ def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(cap
     assert re.search(
         r"note: d full-rank ES skipped: its compiled program needs [0-9.]+ GiB of temporaries", out
     )
-    assert "on this process's 1 device(s), more than the 0.0 GiB free" in out
+    assert "on 1 device(s), more than the 0.0 GiB free" in out
+
+
+def test_memory_left_is_one_accelerators_or_the_hosts_for_every_cpu_device(monkeypatch):
+    def mesh(stats, devices):
+        device = SimpleNamespace(memory_stats=lambda: stats)
+        return SimpleNamespace(devices=np.array([device] * devices), local_devices=[device] * devices)
+
+    gpu = {"bytes_limit": 80 * 2**30, "bytes_in_use": 2**30, "peak_bytes_in_use": 2**31}
+    assert run.memory_left(mesh(gpu, 2)) == (79 * 2**30, 1)  # each device's own memory
+    monkeypatch.setattr(run, "host_memory_left", lambda: 5 * 2**30)
+    assert run.memory_left(mesh(None, 3)) == (5 * 2**30, 3)  # the CPU's devices share the host's
 
 
 def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
