@@ -673,8 +673,8 @@ def layer_norm(x, gain, tables: Tables):
 
 PRODUCT_KERNEL = "int8_product"  # its name in the compiled program: int8_product_<bytes>_<MACs>
 TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
-# at least, inputs: with 16-deep int8 tiles the compiled kernel summed every product twice on an H200
-# (JAX 0.11.2's Triton; Hopper's int8 MMA is 32 deep), exact from 32 on; the interpreter cannot show it
+# at least, inputs: 16 deep, the kernel as JAX 0.11.2's Triton compiled it for an H200 summed every
+# product about twice (docs/gpu.org); exact from 32 on. The interpreter, which the tests run, cannot show it
 TILE_DEPTH_MIN = 32
 
 
