@@ -1150,6 +1150,12 @@ def population_fitness(params, noise, states, inputs, targets, sigma_shifts, cfg
     return jnp.sum(ll, axis=0).reshape(replicas, count), states
 
 
+def remainders_chunk(pairs: int) -> int:
+    """How many remainders d mod pairs (each < pairs) shape_fitness sums at a time: as many as keep
+    the sum int32."""
+    return max(1, INT32_MAX // pairs)
+
+
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
     """One int8 score per pair from its two members' fitness (members along the last axis, any
     leading axes, e.g. segments): the sign of the difference (--fast_fitness), or
@@ -1178,12 +1184,6 @@ def shape_fitness(fitness, cfg: Config, axis: str | None = None):
         rest, scaled = jnp.where(bit, rest - divisor, rest), scaled * 2 + bit.astype(i32)
     scaled = jnp.where(quotient > INT8_MAX >> FIT_FRAC, INT8_MAX, scaled)
     return (jnp.sign(diff) * scaled).astype(jnp.int8)
-
-
-def remainders_chunk(pairs: int) -> int:
-    """How many remainders d mod pairs (each < pairs) shape_fitness sums at a time: as many as keep
-    the sum int32."""
-    return max(1, INT32_MAX // pairs)
 
 
 def shaped_score_rms(fast_fitness: bool) -> float:
@@ -3246,22 +3246,18 @@ def peak_memory() -> tuple[float, str]:
 
 
 # A bare JAX process: import jax, one jitted int8 dot. Its peak RSS is the floor under any JAX
-# program's on the same machine (0.3 GiB to 0.6 GiB seen, by CPU and JAX build).
+# program's on the same machine (0.3 GiB to 0.6 GiB seen, by CPU and JAX build). On Linux its own
+# image's peak (VmHWM, KiB): ru_maxrss would also count the resident memory of the process that
+# started it (6.9 GiB once, under a test process that held that much)
 BARE_JAX = """
 import resource, jax, jax.numpy as jnp
 x = jnp.ones((64, 64), jnp.int8)
 jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.int32))(x).block_until_ready()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+try:
+    print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+except (OSError, StopIteration):
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
-
-
-def memory_left(mesh) -> tuple[float, int]:
-    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
-    device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
-    stats = mesh.devices.flat[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
-    return host_memory_left(), len(mesh.local_devices)
 
 
 def host_memory_left() -> float:
@@ -3271,6 +3267,15 @@ def host_memory_left() -> float:
     except OSError:
         return math.inf
     return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), math.inf)
+
+
+def memory_left(mesh) -> tuple[float, int]:
+    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
+    device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
+    return host_memory_left(), len(mesh.local_devices)
 
 
 def bare_jax_rss() -> float:

@@ -230,7 +230,7 @@ BAD_INPUT = [
     (["--alpha", "1e-70"], "is beyond the largest running sum |m| a matrix entry can reach (508)"),
     (["--num_procs", "2", "--proc_id", "2"], "--proc_id must be below --num_procs, got 2 of 2"),
     (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
-    (["--no-fast_fitness", "--parallel_generations_per_gpu", "131072"], "or --fast_fitness"),
+    (["--no-fast_fitness", "--parallel_generations_per_gpu", "270336"], "or --fast_fitness"),
     (["--tokens_per_update", "400000"], "use a smaller --tokens_per_update"),
     (["--n_embd", "65536"], "use a smaller --n_embd"),
 ]
