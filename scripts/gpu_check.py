@@ -1,7 +1,8 @@
 """What a machine with an NVIDIA GPU can tell that no other can, in one run of under 10 minutes:
 
 1. the tests whose arithmetic runs on the device (the forward pass against the integer reference,
-   the step, the update, the noise), on the GPU;
+   the step, the update, the noise), on the GPU, and the product kernel as compiled against the same
+   kernel in Pallas's interpreter, on the GPU too (the tests can only interpret it);
 2. the same small training run on the GPU (its products in run.py's Pallas kernel, then left to XLA
    with --kernels xla) and on the CPU: their checkpoints must be bit-identical (all arithmetic is
    integer; any difference is a bug);
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +105,52 @@ def same_training(platform: str, out: Path) -> list[str]:
         (folder,) = runs.glob("*/checkpoints/gen-00000020")
         digests.append(run_module().checkpoint_digest(folder))
     return digests
+
+
+KERNEL_SHAPES = ((32, 16, 16), (64, 64, 64), (64, 256, 16), (256, 64, 16), (1024, 256, 16))  # n, m, pairs
+
+
+def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES) -> list[str]:
+    """run.py's product kernel compiled for `platform` against the same kernel in Pallas's
+    interpreter on the same device (on the CPU both interpret), on random int8 operands: every
+    shape (inputs n, outputs m, pairs) with and without noise, gain and residual
+    (a residual where m = n). A line per case that differs, then one line for all of them.
+    `kernel`: run.product_kernel unless given (the tests give a faulty one)."""
+    import itertools  # noqa: PLC0415
+
+    os.environ["JAX_PLATFORMS"] = platform
+    import jax  # noqa: PLC0415 (after the platform is set)
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    run = run_module()
+    kernel = kernel or run.product_kernel
+    rng = np.random.default_rng(0)
+
+    def r8(*shape, low=-127, high=128):
+        return jnp.asarray(rng.integers(low, high, shape).astype(np.int8))
+
+    lines, cases = [], 0
+    for (n, m, pairs), noisy, gained, added in itertools.product(shapes, *[(False, True)] * 3):
+        if added and m != n:
+            continue
+        sides = 2 if noisy else 1
+        x, w = r8(2, 1, pairs, sides * n), r8(1, 2, 1, m, n)
+        a, b = (r8(1, 2, 1, pairs, k, low=-8, high=9) for k in (m, n)) if noisy else (None, None)
+        gain = r8(2, 1, pairs if noisy else 1, sides * n, low=1) if gained else None  # a row each
+        residual = r8(1, pairs, sides * m) if added else None
+        operands = (x, w, a, b, jnp.asarray([2], jnp.int32), jnp.int32(1), gain, residual)
+        outs = [
+            np.asarray(jax.jit(partial(kernel, x_layered=True, interpret=interpret))(*operands)).astype(int)
+            for interpret in (True, platform == "cpu")
+        ]
+        differ, cases = np.count_nonzero(outs[0] != outs[1]), cases + 1
+        if differ:
+            worst = int(np.abs(outs[0] - outs[1]).max())
+            what = f"n {n}, m {m}, {pairs} pairs, noise {noisy:d}, gain {gained:d}, residual {added:d}"
+            lines.append(f"  {what}: {differ} of {outs[0].size} outputs differ, by up to {worst}")
+    verdict = f"{len(lines)} DIFFER" if lines else "all equal"
+    return [*lines, f"the product kernel on {platform} against its interpreter: {cases} cases, {verdict}"]
 
 
 def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
@@ -208,6 +256,9 @@ def main(args: Args) -> int:
             env=env,
         )
         results.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
+    results += kernel_against_interpreter(
+        args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
+    )
     digests = same_training(args.platform, out)
     same = len(set(digests)) == 1
     verdict = "identical" if same else "DIFFERENT: a bug"

@@ -66,3 +66,23 @@ def test_the_models_product_kernels_go_by_the_names_a_trace_gives_them():
         calls = [k for k in kernels if k.kind == "product" and f"{k.bytes}_{k.macs}" in name]
         assert modeled[name] > sum(k.runs for k in calls) * run.ROOFLINES["h100"].launch * 1e6 * 0.99
     assert not [name for name in modeled if name.startswith("pallas_call")]  # none under its HLO name
+
+
+def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
+    shapes = ((32, 16, 16),)  # no residual (16 outputs from 32 inputs): noise x gain, 4 cases
+    assert gpu_check.kernel_against_interpreter("cpu", shapes=shapes) == [
+        "the product kernel on cpu against its interpreter: 4 cases, all equal"
+    ]
+    calls = []
+
+    def faulty(*operands, x_layered, interpret):  # every second call (the compiled side) is off by one
+        calls.append(interpret)
+        out = run.product_kernel(*operands, x_layered=x_layered, interpret=True)
+        return out ^ 1 if len(calls) % 2 == 0 else out
+
+    lines = gpu_check.kernel_against_interpreter("cpu", faulty, shapes)
+    assert len(calls) == 8 and lines[-1].endswith("4 cases, 4 DIFFER")
+    assert (
+        lines[0]
+        == "  n 32, m 16, 16 pairs, noise 0, gain 0, residual 0: 256 of 256 outputs differ, by up to 1"
+    )
