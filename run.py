@@ -1170,8 +1170,8 @@ def shape_fitness(fitness, cfg: Config, axis: str | None = None):
     # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs), the second sum
     # taken in chunks whose sums stay int32 (remainders_chunk): sum floor(c / pairs) over the
     # chunks' sums c, plus floor(sum (c mod pairs) / pairs), under chunks x pairs (accumulator_bounds)
-    chunk = remainders_chunk(pairs)
     rest = (size % pairs).reshape(-1)
+    chunk = min(remainders_chunk(pairs), rest.size)  # no longer than the remainders: no padding beyond
     sums = jnp.sum(jnp.pad(rest, (0, -rest.size % chunk)).reshape(-1, chunk), axis=1)
     parts = jnp.stack([jnp.sum(size // pairs), jnp.sum(sums // pairs), jnp.sum(sums % pairs)])
     quotients, chunked, rests = jax.lax.psum(parts, axis) if axis is not None else parts

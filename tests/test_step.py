@@ -53,6 +53,21 @@ def jaxpr_dtypes(jaxpr):
     return seen
 
 
+def step_and_evaluate(args, c, batch) -> tuple[dict, dict]:
+    """(params, {name: (program, its inputs)}) of a fresh run's training step and validation, one device."""
+    mesh = run.population_mesh(jax.devices()[:1])
+    settings = run.replica_settings(args)
+    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
+    programs = {
+        "step": (
+            run.make_generation_step(c, mesh),
+            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
+        ),
+        "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
+    }
+    return params, programs
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -67,16 +82,7 @@ def jaxpr_dtypes(jaxpr):
 )
 def test_generation_step_and_validation_have_no_floating_point(overrides):
     args, c, batch = setup(**overrides)
-    mesh = run.population_mesh(jax.devices()[:1])
-    settings = run.replica_settings(args)
-    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
-    programs = {
-        "step": (
-            run.make_generation_step(c, mesh),
-            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
-        ),
-        "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
-    }
+    _, programs = step_and_evaluate(args, c, batch)
     for name, (program, inputs) in programs.items():
         dtypes = jaxpr_dtypes(jax.make_jaxpr(program)(*inputs).jaxpr)
         assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, (name, dtypes)
@@ -89,17 +95,8 @@ def test_the_cpus_step_and_validation_copy_no_weight_transposed(overrides):
     """Each product is a plain dot of the weights as stored (m, n): a dot batched over the replica
     axis made XLA:CPU copy every weight transposed at every layer and byte."""
     args, c, batch = setup(n_embd=16, **overrides)
-    mesh = run.population_mesh(jax.devices()[:1])
-    settings = run.replica_settings(args)
-    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
+    params, programs = step_and_evaluate(args, c, batch)
     transposed = {tuple(params[k].shape[-1:-3:-1]) for k in run.MATRICES}  # (n, m) of each (m, n)
-    programs = {
-        "step": (
-            run.make_generation_step(c, mesh),
-            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
-        ),
-        "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
-    }
     for name, (program, inputs) in programs.items():
         hlo = program.lower(*inputs).compile().as_text()
         shapes = re.findall(r"s8\[([0-9,]+)\]\{[0-9,]+\} transpose\(", hlo)

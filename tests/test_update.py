@@ -133,6 +133,17 @@ def test_normalised_fitness_divides_by_mean_absolute_difference():
     np.testing.assert_array_equal(run.shape_fitness(jnp.zeros(8, jnp.int32), c), 0)
 
 
+def test_normalised_fitness_builds_nothing_larger_than_its_scores():
+    """The remainders are summed in chunks of at most INT32_MAX // pairs: a chunk no longer than
+    the remainders themselves (a whole one would pad 8 pairs' remainders to 268 million)."""
+    for members in (16, 4096):
+        c = run.make_config(tiny(fast_fitness=False, parallel_generations_per_gpu=members))
+        fitness = jnp.zeros((3, members), jnp.int32)  # e.g. three segments of the population
+        program = jax.make_jaxpr(lambda f, c=c: run.shape_fitness(f, c))(fitness).jaxpr
+        largest = max(v.aval.size for eqn in program.eqns for v in eqn.outvars)
+        assert largest <= fitness.size, (members, largest)
+
+
 def test_alpha_schedule_is_upstreams():
     fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
