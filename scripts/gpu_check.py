@@ -1,8 +1,9 @@
 """What a machine with an NVIDIA GPU can tell that no other can, in one run of under 10 minutes:
 
 1. the tests whose arithmetic runs on the device (the forward pass against the integer reference,
-   the step, the update, the noise), on the GPU, and the product kernel as compiled against the same
-   kernel in Pallas's interpreter, on the GPU too (the tests can only interpret it);
+   the step, the update, the noise), on the GPU; the product kernel as compiled against the same
+   kernel in Pallas's interpreter, on the GPU too (the tests can only interpret it); and XLA's own
+   int8 products of a small model's shapes against numpy's exact ones;
 2. the same small training run on the GPU (its products in run.py's Pallas kernel, then left to XLA
    with --kernels xla) and on the CPU: their checkpoints must be bit-identical (all arithmetic is
    integer; any difference is a bug);
@@ -153,6 +154,49 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
     return [*lines, f"the product kernel on {platform} against its interpreter: {cases} cases, {verdict}"]
 
 
+# (pairs, outputs m, depth, members) of an s8 x s8 -> s32 product as XLA holds them in a small model's
+# program: --rank 0's noise term (a noise matrix per pair times the pair's two members' inputs) and the
+# shared product (one batch), 16 deep (a 16D model), 32 and 64 deep
+DOT_SHAPES = tuple(
+    (pairs, m, depth, members)
+    for pairs in (1, 4)
+    for m in (16, 32, 256)
+    for depth in (16, 32, 64)
+    for members in (1, 2, 8)
+)
+
+
+def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> list[str]:
+    """XLA's int8 products on `platform` against numpy's exact ones, on random operands: for each
+    shape a batched s8 x s8 -> s32 dot whose second operand the program itself clips from int32 to
+    +-127 and converts to int8, as run.py makes its states' (XLA fuses both into the product's
+    kernel; on a GPU its own Triton GEMMs). A line per shape that differs, then one line for all.
+    `product`: the jitted function under test unless given (the tests give a faulty one)."""
+    os.environ["JAX_PLATFORMS"] = platform
+    import jax  # noqa: PLC0415 (after the platform is set)
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    def xla_product(w, x):  # w (pairs, m, depth) int8, x (pairs, depth, members) int32
+        states = jnp.clip(x, -127, 127).astype(jnp.int8)
+        return jnp.einsum("pmk,pkn->pmn", w, states, preferred_element_type=jnp.int32)
+
+    product = product or jax.jit(xla_product)
+    rng = np.random.default_rng(0)
+    lines = []
+    for pairs, m, depth, members in shapes:
+        w = rng.integers(-127, 128, (pairs, m, depth)).astype(np.int8)
+        x = rng.integers(-300, 301, (pairs, depth, members)).astype(np.int32)  # some beyond the clip
+        want = np.einsum("pmk,pkn->pmn", w.astype(np.int64), np.clip(x, -127, 127).astype(np.int64))
+        got = np.asarray(product(jnp.asarray(w), jnp.asarray(x))).astype(np.int64)
+        if differ := np.count_nonzero(got != want):
+            worst = int(np.abs(got - want).max())
+            what = f"{pairs} x ({m}, {depth}) x ({depth}, {members})"
+            lines.append(f"  {what}: {differ} of {want.size} outputs differ, by up to {worst}")
+    verdict = f"{len(lines)} DIFFER" if lines else "all equal"
+    return [*lines, f"XLA's int8 products on {platform} against numpy: {len(shapes)} shapes, {verdict}"]
+
+
 def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
     """(measured table lines, modeled report lines) of one configuration; a run that fails gives one
     FAILED line with its last error line instead (the other configurations still run)."""
@@ -259,6 +303,7 @@ def main(args: Args) -> int:
     results += kernel_against_interpreter(
         args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
     )
+    results += xla_dots_against_numpy(args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES)
     digests = same_training(args.platform, out)
     same = len(set(digests)) == 1
     verdict = "identical" if same else "DIFFERENT: a bug"

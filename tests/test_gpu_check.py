@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 
+import jax.numpy as jnp
 from helpers import ROOT, tiny_args
 
 import run
@@ -86,3 +87,21 @@ def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
         lines[0]
         == "  n 32, m 16, 16 pairs, noise 0, gain 0, residual 0: 256 of 256 outputs differ, by up to 1"
     )
+
+
+def test_xla_int8_products_are_compared_with_numpy_shape_by_shape():
+    shapes = ((1, 16, 16, 2), (4, 32, 16, 2), (4, 32, 32, 8))
+    assert gpu_check.xla_dots_against_numpy("cpu", shapes=shapes) == [
+        "XLA's int8 products on cpu against numpy: 3 shapes, all equal"
+    ]
+
+    def faulty(w, x):  # 16-deep products summed twice, as Triton's were in the product kernel
+        out = jnp.einsum(
+            "pmk,pkn->pmn", w, jnp.clip(x, -127, 127).astype(jnp.int8), preferred_element_type=jnp.int32
+        )
+        return out * 2 if w.shape[-1] == 16 else out
+
+    lines = gpu_check.xla_dots_against_numpy("cpu", faulty, shapes)
+    assert lines[-1] == "XLA's int8 products on cpu against numpy: 3 shapes, 2 DIFFER"
+    assert lines[0].startswith("  1 x (16, 16) x (16, 2): 32 of 32 outputs differ, by up to ")
+    assert lines[1].startswith("  4 x (32, 16) x (16, 2): ")
