@@ -182,6 +182,10 @@ class Args:
     (where a decaying sum of standardised Z does), 'adam' (that sum over a running mean of |Z|)"""
     momentum_shift: Annotated[int, *flag("[1, 7]", training=True, before=2, acts_if=WITH_M, why=INT16)] = 2
     """momentum, adam: the running sum keeps 1 - 2**-shift of itself per generation"""
+    max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1, before=1, acts_if=WITH_M)] = 0
+    """momentum, adam: an entry whose running sum holds k thresholds' worth moves k steps, at most
+    this many (1: one step wherever the test passes); 0: 1 where an update weighs fewer than
+    STEP2_PAIRS scored pairs, else 2"""
     scale_shift: Annotated[int, *flag("[1, 7]", training=True, before=4, acts_if=WITH_V, why=INT16)] = 4
     """adam: the running mean of |Z| keeps 1 - 2**-shift of itself per generation"""
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False, before=False)] = True
@@ -333,6 +337,9 @@ VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
 INT32_MAX = 2**31 - 1  # every accumulator's worst case stays at or below this (see "Integer ranges")
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
+# --max_step 0: two steps at most from this many scored pairs an update (population / 2 x segments),
+# one below (docs/results.org, "Population")
+STEP2_PAIRS = 10_000
 SEGMENT_STEP = 0x9E3779B9  # odd (2**32 / golden ratio): segment s's words are remixed from word + s x this
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
@@ -380,6 +387,7 @@ class Config(NamedTuple):
     devices: int  # devices the population is spread over, parallel_generations_per_gpu each
     optimizer: str
     momentum_shift: int
+    max_step: int  # --max_step, 0 resolved by the pairs an update weighs
     scale_shift: int
     shared_pair_state: bool
     null_from_scores: bool
@@ -1334,25 +1342,29 @@ def standardise(z, shift: int):
 
 
 def rule_step(z, u, m, v, threshold, cfg: Config):
-    """(move in {-1, 0, 1}, new m, new v) of each entry of one parameter under --optimizer:
+    """(move, new m, new v) of each entry of one parameter under --optimizer:
     ztest: sign(Z) where |Z| > threshold (u, m and v unused);
-    momentum: u = standardise(Z), m = m - round(m / 2**momentum_shift) + u, sign(m)
-    where |m| > threshold, and m restarts at 0 where the entry moved: the evidence is spent on the
-    move (kept, m moved the same entry again and again: 0.2-0.3 bits/byte worse at 300 generations);
-    adam: besides, v = v - round(v / 2**scale_shift) + |u|, sign(m) where |m| 2**SCALE_FRAC >
-    threshold v, m restarting likewise. Ranges: |u| <= 127, so |m| and v stay <= 127 x 2**shift
-    <= 16256 for shifts <= 7 (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x
-    2**k); |m| 2**SCALE_FRAC < 2**27 and threshold v < 2**16 x 2**14 (int32)."""
+    momentum: u = standardise(Z), m = m - round(m / 2**momentum_shift) + u; the entry moves
+    sign(m) x min(k, max_step) steps, k = floor(|m| / (threshold + 1)) the thresholds' worth m holds
+    (k >= 1 exactly where |m| > threshold), and m restarts at 0 where it moved: the evidence is
+    spent on the move (kept, m moved the same entry again and again: 0.2-0.3 bits/byte worse at 300
+    generations); adam: besides, v = v - round(v / 2**scale_shift) + |u|, and k = floor(|m|
+    2**SCALE_FRAC / (threshold v + 1)) (k >= 1 where |m| 2**SCALE_FRAC > threshold v), m restarting
+    likewise. Ranges: |u| <= 127, so |m| and v stay <= 127 x 2**shift <= 16256 for shifts <= 7
+    (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); |m| 2**SCALE_FRAC <
+    2**27 and threshold v < 2**16 x 2**14 (int32); a threshold of INT32_MAX (nothing moves) is
+    divided by as INT32_MAX, not overflowed."""
     if cfg.optimizer == "ztest":
         return jnp.sign(z) * (jnp.abs(z) > threshold), m, v
     m = m.astype(i32) - round_shift(m, cfg.momentum_shift) + u
     if cfg.optimizer == "momentum":
-        passes = jnp.abs(m) > threshold
+        held = jnp.abs(m) // (jnp.minimum(threshold, INT32_MAX - 1) + 1)
     else:
         v = v.astype(i32) - round_shift(v, cfg.scale_shift) + jnp.abs(u)
-        passes = jnp.abs(m) << SCALE_FRAC > v * threshold
+        held = (jnp.abs(m) << SCALE_FRAC) // (v * threshold + 1)
         v = v.astype(STATE)
-    return jnp.sign(m) * passes, jnp.where(passes, 0, m).astype(STATE), v
+    steps = jnp.minimum(held, cfg.max_step)
+    return jnp.sign(m) * steps, jnp.where(steps > 0, 0, m).astype(STATE), v
 
 
 def pair_weights(scores, cfg: Config):
@@ -1735,6 +1747,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         "devices",
         "kernels",
         "noise_per_segment",
+        "max_step",
     )
     cfg = Config(
         kernels=kernels,
@@ -1745,6 +1758,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
         distinct_pairs=(args.num_perturbations or population) // 2,
         devices=devices,
+        max_step=args.max_step or 1,
     )
     while (
         not args.segments
@@ -1752,6 +1766,8 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         and max(b for b, _ in accumulator_bounds(cfg).values()) > INT32_MAX
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
+    if not args.max_step and scored_pairs(cfg) >= STEP2_PAIRS:
+        cfg = cfg._replace(max_step=2)
     return cfg
 
 
@@ -2212,6 +2228,7 @@ def training_identity(args: Args, cfg: Config, train_bytes: np.ndarray) -> dict:
     and the data position depend on the generation counter only, so a run may be extended."""
     identity = {name: getattr(args, name) for name, facts in flag_facts().items() if facts.training}
     identity = {k: list(v) if isinstance(v, tuple) else v for k, v in identity.items()}  # as JSON has them
+    identity["max_step"] = cfg.max_step  # --max_step 0 as resolved: what the steps were
     return {**identity, "population": cfg.population, "data": data_fingerprint(train_bytes)}
 
 
@@ -3014,10 +3031,11 @@ def announce(run: Run, compiled: Compiled, log) -> None:
     cfg, args = run.cfg, run.args
     replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
     split = f" (one CPU split into {args.cpu_devices})" if args.cpu_devices > 1 else ""
+    steps = f", up to {cfg.max_step} steps a move" if cfg.max_step > 1 and cfg.optimizer != "ztest" else ""
     log(
         f"egg-jax {run.name}: {replicas}{num_parameters(cfg):,} int8 parameters, population {cfg.population} "
         f"on {run.mesh.size} {jax.devices()[0].platform} device(s){split} in {jax.process_count()} "
-        f"process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an update), "
+        f"process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an update){steps}, "
         f"{len(run.train_bytes):,} training bytes, {run.valid_rows.size:,} validation bytes"
     )
     log(

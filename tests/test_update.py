@@ -299,11 +299,12 @@ def reference_rule(z: int, m: int, v: int, threshold: int, shift: int, c) -> tup
     u = max(-127, min(127, rounded(z, shift)))
     m = m - rounded(m, c.momentum_shift) + u
     if c.optimizer == "momentum":
-        passes = abs(m) > threshold
+        evidence, bar = abs(m), threshold + 1  # |m| > threshold: |m| >= threshold + 1
     else:
         v = v - rounded(v, c.scale_shift) + abs(u)
-        passes = abs(m) * 2**run.SCALE_FRAC > threshold * v
-    return ((m > 0) - (m < 0), 0, v) if passes else (0, m, v)
+        evidence, bar = abs(m) * 2**run.SCALE_FRAC, threshold * v + 1
+    steps = max(k for k in range(c.max_step + 1) if evidence >= k * bar)  # k bars' worth, at most max_step
+    return ((m > 0) - (m < 0)) * steps, 0 if steps else m, v
 
 
 @pytest.mark.parametrize(
@@ -313,6 +314,8 @@ def reference_rule(z: int, m: int, v: int, threshold: int, shift: int, c) -> tup
         dict(optimizer="momentum", momentum_shift=1, fast_fitness=False),
         dict(optimizer="adam"),
         dict(optimizer="adam", momentum_shift=3, scale_shift=2, num_perturbations=4, rank=0),
+        dict(optimizer="momentum", max_step=3),
+        dict(optimizer="adam", max_step=2),
     ],
 )
 def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(overrides):
@@ -327,6 +330,7 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
     shifts, thresholds = run.u_shifts(c), run.z_thresholds(args, c)
     ref_params = {k: v.astype(np.int64) for k, v in params.items()}
     ref_opt = {k: v.astype(np.int64) for k, v in opt.items()}
+    longest = 0  # the longest move the reference made
     for generation in range(4):
         noise = run.generation_noise(c, 0, jnp.int32(generation))
         scores = rng.integers(-1, 2, 4) if c.fast_fitness else rng.integers(-127, 128, 4)
@@ -347,11 +351,13 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
                     c,
                 )
                 ref_params[name][index] = min(127, max(-127, ref_params[name][index] + step))
+                longest = max(longest, abs(step))
         for key in opt:
             np.testing.assert_array_equal(opt[key], ref_opt[key], err_msg=key)
         for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
+    assert (longest > 1) == (c.max_step > 1)  # moves of several steps were made, and only where allowed
 
 
 @pytest.mark.parametrize(
@@ -472,3 +478,22 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
     print(f"share with the scores' null {ours:.4f}, with the normal model's {normal_model:.4f}")
     assert abs(ours - alpha) < 0.01
     assert abs(normal_model - alpha) > 0.02  # what the flag is for
+
+
+def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
+    """--max_step 0 resolves by the scored pairs an update weighs (population / 2 x segments), and
+    a checkpoint records the resolved value, so one from before the flag (one step) resumes
+    unchanged below STEP2_PAIRS."""
+
+    def resolved(population, max_step=0):  # tiny() is upstream's, whose steps are 1: the default given
+        args = tiny(
+            parallel_generations_per_gpu=population, segments=1, optimizer="momentum", max_step=max_step
+        )
+        cfg = run.make_config(args)
+        assert run.scored_pairs(cfg) == population // 2
+        return cfg.max_step, run.training_identity(args, cfg, np.zeros(8, np.uint8))["max_step"]
+
+    at = 2 * run.STEP2_PAIRS
+    assert resolved(at - 2) == (1, 1) and resolved(at) == (2, 2)
+    assert resolved(at, max_step=1) == (1, 1) and resolved(8, max_step=3) == (3, 3)
+    assert run.checkpoint_settings({"training": {}})["max_step"] == 1  # before the flag: one step
