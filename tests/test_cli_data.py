@@ -66,6 +66,7 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     assert set(preset) == {"alpha_floor", "sigma_shift", "segments", "optimizer", "fast_fitness"} | {
         "shared_pair_state",
         "init_std",
+        "max_step",
     }
     changed = {k for k, v in preset.items() if getattr(ours, k) != v}
     assert changed == set(preset)  # each entry is a default that differs
