@@ -1747,7 +1747,6 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         "devices",
         "kernels",
         "noise_per_segment",
-        "max_step",
     )
     cfg = Config(
         kernels=kernels,
@@ -1758,7 +1757,6 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update),
         distinct_pairs=(args.num_perturbations or population) // 2,
         devices=devices,
-        max_step=args.max_step or 1,
     )
     while (
         not args.segments
@@ -1766,9 +1764,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         and max(b for b, _ in accumulator_bounds(cfg).values()) > INT32_MAX
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
-    if not args.max_step and scored_pairs(cfg) >= STEP2_PAIRS:
-        cfg = cfg._replace(max_step=2)
-    return cfg
+    return cfg._replace(max_step=args.max_step or (2 if scored_pairs(cfg) >= STEP2_PAIRS else 1))
 
 
 def mesh_config(args: Args, mesh: jax.sharding.Mesh) -> Config:
