@@ -39,7 +39,9 @@ import optax
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import run  # noqa: E402  (run.py's data, validation rows and baselines; importing it does nothing)
+import run  # noqa: E402  (run.py's data and validation rows; importing it does nothing)
+from egg import corpora  # noqa: E402
+from egg.flags import check_range  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ def train(args: Args) -> dict:
     metrics.jsonl; return the last metrics."""
     train_bytes, valid_bytes = run.open_data(args)
     rows = run.validation_rows(valid_bytes, args)
-    baselines = run.cached_baselines(train_bytes, rows, args.dir_path)
+    baselines = corpora.cached_baselines(train_bytes, rows, args.dir_path)
     stride = len(train_bytes) // args.batch_size
     windows = (stride - 1) // args.window
     if windows < 1:
@@ -214,8 +216,8 @@ def train(args: Args) -> dict:
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
     opt_state, step = optimizer.init(params), make_step(forward, optimizer)
     state = jnp.zeros((args.batch_size, args.n_layer, args.n_embd))
-    name = args.run_name or f"backprop-{args.model}-{Path(args.data).stem}-seed{args.seed}"
-    folder = Path(args.runs_dir) / name
+    name = args.tracking.run_name or f"backprop-{args.model}-{Path(args.data).stem}-seed{args.seed}"
+    folder = Path(args.tracking.runs_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1) + "\n")
     starts = np.arange(args.batch_size) * stride
@@ -244,7 +246,7 @@ def train(args: Args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = tyro.cli(Args, args=argv, use_underscores=True)
-        run.check_range("num_epochs", args.num_epochs)
+        check_range(Args, "num_epochs", args.num_epochs)
         train(args)
     except run.UserError as error:
         print(f"error: {error}", file=sys.stderr)

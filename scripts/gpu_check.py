@@ -7,8 +7,8 @@
 2. the same small training run on the GPU (its products in run.py's Pallas kernel, then left to XLA
    with --kernels xla) and on the CPU: their checkpoints must be bit-identical (all arithmetic is
    integer; any difference is a bug);
-3. --benchmark at 64D-2L population 4096 and 256D-6L populations 1024 and 32768, each beside what
-   --benchmark --target h100 models for it;
+3. bench.py at 64D-2L population 4096 and 256D-6L populations 1024 and 32768, each beside what
+   bench.py --target h100 models for it;
 4. one generation of each of those configurations profiled kernel by kernel (JAX's profiler),
    beside the cost model's time for the same kernels of the same compiled program;
 and prints each table as it is measured, then all of them again, last.
@@ -72,10 +72,18 @@ def run_module():
     return run
 
 
-def run_py(*flags: str, platform: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """python run.py FLAGS on `platform`, from the repository root."""
-    environment = {**os.environ, **(env or {}), "JAX_PLATFORMS": platform}
-    command = [sys.executable, str(ROOT / "run.py"), "--platform", platform, *flags]
+def bench_module():
+    """bench.py, imported (it imports run.py)."""
+    sys.path.insert(0, str(ROOT))
+    import bench  # noqa: PLC0415
+
+    return bench
+
+
+def run_py(*flags: str, platform: str, script: str = "run.py") -> subprocess.CompletedProcess:
+    """python run.py (or bench.py) FLAGS on `platform`, from the repository root."""
+    environment = {**os.environ, "JAX_PLATFORMS": platform}
+    command = [sys.executable, str(ROOT / script), "--platform", platform, *flags]
     return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
 
 
@@ -104,7 +112,7 @@ def same_training(platform: str, out: Path) -> list[str]:
         if done.returncode:
             raise SystemExit(f"training on {where} failed:\n{done.stderr[-3000:]}")
         (folder,) = runs.glob("*/checkpoints/gen-00000020")
-        digests.append(run_module().checkpoint_digest(folder))
+        digests.append(run_module().checkpoints.checkpoint_digest(folder))
     return digests
 
 
@@ -200,8 +208,8 @@ def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> li
 def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
     """(measured table lines, modeled report lines) of one configuration; a run that fails gives one
     FAILED line with its last error line instead (the other configurations still run)."""
-    measured = run_py("--benchmark", *flags, "--num_epochs", str(generations), platform=platform)
-    modeled = run_py("--benchmark", "--target", "h100", *flags, platform="cpu")
+    measured = run_py(*flags, "--num_epochs", str(generations), platform=platform, script="bench.py")
+    modeled = run_py("--target", "h100", *flags, platform="cpu", script="bench.py")
     for done in (measured, modeled):
         if done.returncode:
             print(done.stderr[-3000:], file=sys.stderr, flush=True)
@@ -219,7 +227,7 @@ def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[
 
 def kernel_times(trace: Path) -> dict[str, float]:
     """{kernel: microseconds} summed over a Perfetto trace's device events (JAX's profiler): the
-    complete events of every process named /device:..., by name (a product kernel's compiled
+    complete events of every process named /device:..., by name (the product kernel's compiled
     variants, NAME__1, NAME__2, ..., under NAME)."""
     events = json.load(gzip.open(trace))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -228,7 +236,7 @@ def kernel_times(trace: Path) -> dict[str, float]:
         for e in events
         if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
     }
-    product, totals = run_module().PRODUCT_KERNEL + "_", {}
+    product, totals = run_module().int8_product.__name__, {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices:
             name = re.sub(r"__\d+$", "", e["name"]) if e["name"].startswith(product) else e["name"]
@@ -240,37 +248,36 @@ def profile_generation(
     flags: list[str], platform: str, out: Path
 ) -> tuple[dict[str, float], dict[str, float]]:
     """One training generation profiled: ({kernel: measured us}, {kernel: modeled us}), the modeled
-    times from the cost model of the same compiled program's kernels (--target's, run.py)."""
+    times from the cost model of the same compiled program's kernels (bench.py --target's)."""
     os.environ["JAX_PLATFORMS"] = platform
     import jax  # noqa: PLC0415 (after the platform is set)
     import numpy as np  # noqa: PLC0415
 
-    run = run_module()
-    args = run.parse_args(flags)
-    mesh = run.population_mesh()
-    cfg = run.mesh_config(args, mesh)
-    settings = run.replica_settings(args)
-    carry = run.on_mesh(*run.init_run(cfg, [s["seed"] for s in settings]), mesh)
+    run, bench = run_module(), bench_module()
+    args, mesh = run.start_devices(run.parse_args(flags))
+    cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
+    carry = run.on_mesh(run.init_run(cfg, replicas), mesh)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
     batch = run.global_array(batch, mesh, run.REPLICATED)
-    inputs = run.replica_inputs(args, cfg, settings, 0)
-    compiled = run.compile_generation(cfg, mesh, "train", carry, batch, inputs)
-    carry = jax.block_until_ready(compiled.step(*carry, batch, np.int32(0), *inputs))[:3]
+    inputs = run.replica_inputs(cfg, replicas, 0)
+    traced = run.make_generation_step(cfg, mesh, "train").trace(*carry, batch, np.int32(0), *inputs)
+    step = traced.lower().compile()
+    carry = jax.block_until_ready(step(*carry, batch, np.int32(0), *inputs))[:3]
     folder = out / f"trace-{len(list(out.glob('trace-*')))}"
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-        jax.block_until_ready(compiled.step(*carry, batch, np.int32(1), *inputs))
+        jax.block_until_ready(step(*carry, batch, np.int32(1), *inputs))
     (trace,) = folder.glob("**/perfetto_trace.json.gz")
-    return kernel_times(trace), modeled_times(compiled.step.as_text())
+    return kernel_times(trace), modeled_times(step.as_text(), bench.pallas_costs(traced.jaxpr))
 
 
-def modeled_times(hlo: str) -> dict[str, float]:
-    """{kernel: modeled us a generation} of a compiled program (run.py's cost model for an H100), by
-    the names a trace gives: a product kernel's declared name (its calls summed), else the HLO's."""
-    run = run_module()
-    roofline, modeled = run.ROOFLINES["h100"], {}
-    for k in run.gpu_kernels(hlo):
+def modeled_times(hlo: str, pallas_costs: dict) -> dict[str, float]:
+    """{kernel: modeled us a generation} of a compiled program (bench.py's cost model for an H100),
+    by the names a trace gives: the product kernel's name (its calls summed), else the HLO's."""
+    run, bench = run_module(), bench_module()
+    roofline, modeled = bench.ROOFLINES["h100"], {}
+    for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
         seconds = k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
-        name = f"{run.PRODUCT_KERNEL}_{k.bytes}_{k.macs}" if k.kind == "product" else k.name.replace(".", "_")
+        name = run.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
         modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
     return modeled
 

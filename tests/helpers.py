@@ -2,7 +2,6 @@
 process or in this one), its one-line errors, and calling run.py's replica-axis functions for a
 single model."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import run
+from egg import checkpoints, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = os.environ["EGG_TEST_CORPORA"]  # --dir_path of the tests' runs (set by conftest.py)
@@ -76,21 +76,37 @@ TINY = (
 ).split()
 
 
-def tiny_args(*flags, **changes) -> run.Args:
+def tiny_args(*given, **changes) -> run.Args:
     """The tiny run's Args (TINY), with more flags and changed fields, for the tests that call
     run.py's functions directly."""
-    return dataclasses.replace(run.parse_args([*TINY, *flags]), **changes)
+    return flags.replace(run.parse_args([*TINY, *given]), **changes)
+
+
+def thresholds(args: run.Args, cfg, generation: int = 0) -> np.ndarray:
+    """run.z_thresholds (2,) of the flags' first replica at a generation."""
+    return run.z_thresholds(cfg, run.alpha_at(cfg, run.replicas_of(args)[0], generation))
+
+
+def alpha_schedule(args: run.Args) -> np.ndarray:
+    """run.alpha_at of the flags' first replica at generations 0, ..., --num_epochs - 1."""
+    cfg, replica = run.make_config(args), run.replicas_of(args)[0]
+    return np.array([run.alpha_at(cfg, replica, t) for t in range(args.num_epochs)])
+
+
+def z_thresholds(args: run.Args, cfg) -> np.ndarray:
+    """(--num_epochs, 2) int32: thresholds at every generation of the flags' first replica."""
+    return np.stack([thresholds(args, cfg, t) for t in range(args.num_epochs)])
 
 
 def upstream_args(**changes) -> run.Args:
     """Args of upstream's algorithm (--algorithm upstream) with these fields: the Z-test's tests."""
-    return dataclasses.replace(run.parse_args(["--algorithm", "upstream"]), **changes)
+    return flags.replace(run.parse_args(["--algorithm", "upstream"]), **changes)
 
 
 def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: int, cfg):
-    """run.population_fitness of a single model (no replica axis in or out): (fitness (M,), states)."""
+    """run.forward of a single model (no replica axis in or out): (fitness (M,), states)."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
-    fitness, states = run.population_fitness(
+    fitness, states, _, _ = run.forward(
         add(params), add(noise), add(states), inputs, targets, np.array([sigma_shift], np.int32), cfg
     )
     return np.asarray(fitness)[0], np.asarray(states)[0]
@@ -114,12 +130,12 @@ def one_model_step(step, carry, batch, generation: int, thresholds, seed: int, s
 
 
 def checkpoint_digest(folder: Path) -> str:
-    """run.checkpoint_digest, the arrays' dtypes checked first."""
+    """checkpoints.checkpoint_digest, the arrays' dtypes checked first."""
     for name, dtype in (("params.npz", np.int8), ("states.npz", np.int8), ("optimizer.npz", np.int16)):
         if (folder / name).exists():
             with np.load(folder / name) as f:
                 assert all(f[key].dtype == dtype for key in f.files), name
-    return run.checkpoint_digest(folder)
+    return checkpoints.checkpoint_digest(folder)
 
 
 # One member on its own: run.py's model functions take the members' axes (K, S, R, D); these give

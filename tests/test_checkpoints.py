@@ -12,9 +12,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, TINY, checkpoint_digest, cli, in_process, one_line_error, one_model_step
+from helpers import (
+    ROOT,
+    TINY,
+    checkpoint_digest,
+    cli,
+    in_process,
+    one_line_error,
+    one_model_step,
+    thresholds,
+)
 
 import run
+from egg import checkpoints, cluster, files, record
 
 
 def start(*flags, runs):
@@ -111,7 +121,9 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
     assert out.count("unreadable") == 1  # tried once, not again from the folder listing
     assert "set aside as corrupt-gen-00000006" in out and f"resuming from {folder / 'gen-00000003'}" in out
     assert (folder / "corrupt-gen-00000006" / "params.npz").read_bytes() == b"not a zip file"
-    for saved in run.checkpoints_in(folder):  # gen-00000006 saved again: the corrupt one shadowed nothing
+    for saved in checkpoints.checkpoints_in(
+        folder
+    ):  # gen-00000006 saved again: the corrupt one shadowed nothing
         params_hash(saved)
     assert (folder / (folder / "LATEST").read_text()).is_dir()
     code, out, err = finish(start(*LONG, "--resume", "auto", runs=runs))
@@ -173,19 +185,18 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         assert "-> 93,060 bytes #" in result.stderr if "--data" in flags else f"{listed}; " in result.stderr
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
-    # a checkpoint from before format 3 was trained with upstream's rule, whatever the defaults now
+    # a checkpoint of an older format, or that records no setting this run depends on, is refused
     meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
     written = meta_path.read_text()
     meta = json.loads(written)
-    newer = {name for name, facts in run.flag_facts().items() if facts.before is not None}
-    meta["training"] = {k: v for k, v in meta["training"].items() if k not in newer}
     meta_path.write_text(json.dumps({**meta, "format": 2}))
-    # momentum: the default; a checkpoint of then had one segment
-    as_before = ["--no-shared_pair_state", "--no-null_from_scores", "--mlp_relu", "--segments", "1"]
-    one_line_error(in_process(capsys, *base, *as_before), "--optimizer ztest -> momentum; ")
-    # ... and with no floor under alpha: the floor it did not record reads as 0
-    result = in_process(capsys, *base, *as_before, "--optimizer", "ztest")
-    one_line_error(result, "trained with other settings: --alpha_floor 0.0 -> 0.015625; ")
+    older = "was written by an older egg-jax (format 2); continue it with the code of commit 5423dfc"
+    one_line_error(in_process(capsys, *base), older)
+    meta["training"].pop("max_step")
+    meta_path.write_text(json.dumps(meta))
+    one_line_error(in_process(capsys, *base), "(format 3, which records no --max_step); continue it")
+    meta_path.write_text(json.dumps({**meta, "format": 4}))
+    one_line_error(in_process(capsys, *base), "is of format 4, newer than this egg-jax's")
     meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -239,12 +250,13 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     cfg = run.make_config(args)
     train_bytes, _ = run.open_data(args)
     batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
-    params = run.load_checkpoint(folder / "gen-00000004", run.make_config(run.parse_args(TINY)))[0]
+    expected = run.expected_arrays(run.make_config(run.parse_args(TINY)))
+    params = checkpoints.load_checkpoint(folder / "gen-00000004", expected)[0]
     params = {k: v[0] for k, v in params.items()}  # the replica axis of one
-    step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
+    step = run.make_generation_step(cfg, cluster.population_mesh(run.POP, jax.devices()[:1]))
     states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
     params, opt, states, _, _ = one_model_step(
-        step, (params, run.init_optimizer(cfg), states), batch, 4, run.z_thresholds(args, cfg)[4], 0, 3
+        step, (params, run.init_optimizer(cfg), states), batch, 4, thresholds(args, cfg, 4), 0, 3
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
         for name in run.PARAM_NAMES:
@@ -276,7 +288,7 @@ def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code)
     latest = (folder / "LATEST").read_text()
     meta = json.loads((folder / latest / "meta.json").read_text())
     assert meta["generation"] == logged  # every generation run is in the checkpoint: no work lost
-    assert meta["args"]["n_embd"] == 8 and meta["format"] == run.CHECKPOINT_FORMAT
+    assert meta["args"]["n_embd"] == 8 and meta["format"] == checkpoints.CHECKPOINT_FORMAT
 
 
 def tiny_model():
@@ -292,14 +304,18 @@ def with_axis(*trees):
     return jax.tree.map(lambda x: x[None], trees)
 
 
+def load(folder: Path, cfg):
+    return checkpoints.load_checkpoint(folder, run.expected_arrays(cfg))
+
+
 def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     cfg, params, opt, states = tiny_model()
-    run.save_checkpoint(tmp_path / "c", params, opt, states, {"generation": 5})
+    checkpoints.save_checkpoint(tmp_path / "c", params, opt, states, {"generation": 5})
     with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
         assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
-    loaded, loaded_states, loaded_opt, _ = run.load_checkpoint(tmp_path / "c", cfg)
+    loaded, loaded_states, loaded_opt, _ = load(tmp_path / "c", cfg)
     with np.load(tmp_path / "c" / "optimizer.npz") as f:
         assert sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES) and f["m/Wf"].dtype == np.int16
     # a single model's file comes back with the run's replica axis of 1
@@ -307,17 +323,17 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
         for key, value in want.items():
             np.testing.assert_array_equal(got[key], value[None], err_msg=key)
     ztest = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest"))
-    assert run.load_checkpoint(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
+    assert load(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
     adam = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam"))
-    assert run.load_checkpoint(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
+    assert load(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
     other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
-    assert run.load_checkpoint(tmp_path / "c", other)[1] is None  # other population: fresh states
+    assert load(tmp_path / "c", other)[1] is None  # other population: fresh states
 
 
-OLD = ROOT / "tests" / "data" / "checkpoints-b7524ed"  # gen-4 checkpoints written by commit b7524ed
+CURRENT = ROOT / "tests" / "data" / "checkpoints-5423dfc"  # gen-4 checkpoints written by commit 5423dfc
 WORDS = [*TINY, "--data", str(ROOT / "tests" / "data" / "words.txt")]
 THREE = "--replicas 3 --replica_alpha 0.2 4 3 --replica_sigma_shift 3 4 5".split()
-# checkpoint_digest of WORDS (with THREE) after 6 generations, trained by the code of commit b7524ed
+# checkpoint_digest of WORDS (with THREE) after 6 generations, trained by the code of commit 5423dfc
 AFTER_SIX = {"single": "bb84da4994d3fef0", "replicas": "d34348d250163b1f"}
 
 
@@ -325,20 +341,14 @@ AFTER_SIX = {"single": "bb84da4994d3fef0", "replicas": "d34348d250163b1f"}
 def test_a_checkpoint_written_by_earlier_code_resumes_bit_for_bit(tmp_path, capsys, name, flags):
     """Its generation-4 checkpoint, continued here to 6, equals that code's own 6 generations."""
     save = ["--save_dir", str(tmp_path / "save"), "--runs_dir", str(tmp_path), "--num_epochs", "6"]
-    result = in_process(capsys, *WORDS, *flags, *save, "--resume", str(OLD / name))
+    result = in_process(capsys, *WORDS, *flags, *save, "--resume", str(CURRENT / name))
     assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
     assert checkpoint_digest(tmp_path / "save" / "gen-00000006") == AFTER_SIX[name]
 
 
-def test_a_checkpoint_trained_with_a_removed_flag_is_refused(tmp_path, capsys):
-    result = in_process(capsys, *WORDS, "--runs_dir", str(tmp_path), "--resume", str(OLD / "adapt"))
-    one_line_error(result, "was trained with --adapt_noise, which egg-jax no longer has")
-    assert not any(tmp_path.iterdir())
-
-
 def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):
     _, params, _, states = tiny_model()
-    saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
+    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=2)
     saver.save(1, with_axis(params, {}, states), 9.0, {})
     before = params_hash(tmp_path / "gen-00000001")
 
@@ -356,20 +366,20 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
 def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path):
     """Killed after gen-6 was renamed into place but before LATEST was: resumes take gen-6."""
     _, params, _, states = tiny_model()
-    saver = run.Checkpointer(tmp_path, run.Args())
+    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=3)
     saver.save(3, with_axis(params, {}, states), 9.0, {})
-    run.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
+    checkpoints.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
-    assert run.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
-    assert run.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
-    assert run.find_resume(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
+    assert checkpoints.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
+    assert checkpoints.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
+    assert checkpoints.find_resume(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
 
 
 def test_a_record_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / "metrics.jsonl").write_text('{"generation": 1}\n{"generation": 2}\n{"generation": 3}\n{"gener')
-    run.RunRecord(run.Args(runs_dir=str(tmp_path)), "run", {}, 2).close()
+    record.RunRecord(folder, {}, {}, 2).close()
     assert (folder / "metrics.jsonl").read_text() == '{"generation": 1}\n{"generation": 2}\n'
 
 
@@ -379,13 +389,13 @@ def test_leftovers_of_a_killed_save_are_removed_at_start(tmp_path):
     (dead / "params.npz").write_bytes(b"half")
     alive.mkdir()
     (tmp_path / ".LATEST.tmp999999999").write_text("gen-00000005")
-    run.Checkpointer(tmp_path, run.Args()).check_writable()
+    checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=3).check_writable()
     assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name]
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path):
     _, params, _, states = tiny_model()
-    saver = run.Checkpointer(tmp_path, run.Args(keep_checkpoints=2))
+    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=2)
     for generation, score in ((1, 5.0), (2, 4.0), (3, 4.5), (4, 4.2)):
         saver.save(generation, with_axis(params, {}, states), score, {})
         saver.offer_best(generation, (params, {}, states), score, {})
@@ -428,9 +438,9 @@ def test_checkpoint_bad_input(tmp_path, capsys):
 
 def test_atomic_file_leaves_nothing_half_written(tmp_path):
     target = tmp_path / "x.bin"
-    with pytest.raises(RuntimeError), run.atomic_file(target) as f:
+    with pytest.raises(RuntimeError), files.atomic_file(target) as f:
         f.write(b"half")
         raise RuntimeError("killed mid-write")
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
-    run.write_atomic(target, b"whole")
+    files.write_atomic(target, b"whole")
     assert target.read_bytes() == b"whole" and list(tmp_path.iterdir()) == [target]

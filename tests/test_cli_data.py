@@ -12,6 +12,7 @@ import tyro
 from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 
 import run
+from egg import corpora, flags
 
 
 def test_upstream_flag_names_parse():
@@ -62,7 +63,7 @@ def test_upstream_flag_names_parse():
 
 def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     ours = run.parse_args([])
-    preset = run.upstream_preset()
+    preset = flags.upstream_preset(run.Args)
     assert set(preset) == {"alpha_floor", "sigma_shift", "segments", "optimizer", "fast_fitness"} | {
         "shared_pair_state",
         "init_std",
@@ -109,33 +110,33 @@ def test_folder_corpus_is_concatenated_with_separators_and_cached(tmp_path):
     for skipped in ("__pycache__", "site-packages", ".git"):
         (folder / "sub" / skipped).mkdir()
         (folder / "sub" / skipped / "x.pyc").write_bytes(b"never")
-    corpus = run.load_corpus(str(folder), str(tmp_path / "cache"))
+    corpus = corpora.load_corpus(str(folder), str(tmp_path / "cache"))
     assert bytes(corpus) == b"\0first\0second\0third"
     assert isinstance(corpus, np.memmap)
     cached = list((tmp_path / "cache").iterdir())
     assert len(cached) == 1
     stamp = cached[0].stat().st_mtime_ns
-    run.load_corpus(str(folder), str(tmp_path / "cache"))
+    corpora.load_corpus(str(folder), str(tmp_path / "cache"))
     assert cached[0].stat().st_mtime_ns == stamp  # reused, not rewritten
     edited = folder / "sub" / "c.txt"
     before = edited.stat().st_mtime_ns
     edited.write_bytes(b"THIRD")  # same size, new contents: rebuilt (its time moved on, as in an edit)
     os.utime(edited, ns=(before + 10**9, before + 10**9))
-    assert bytes(run.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
+    assert bytes(corpora.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
     (folder / "a.txt").unlink()
-    assert bytes(run.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0second\0THIRD"
+    assert bytes(corpora.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0second\0THIRD"
 
 
 def test_uint8_npy_data_is_read_as_bytes(tmp_path):
     data = np.frombuffer(b"\0an array of bytes, as upstream caches minipile", np.uint8)
     np.save(tmp_path / "train.npy", data)
-    corpus = run.load_corpus(str(tmp_path / "train.npy"), str(tmp_path / "cache"))
+    corpus = corpora.load_corpus(str(tmp_path / "train.npy"), str(tmp_path / "cache"))
     assert corpus.dtype == np.uint8 and bytes(corpus) == data.tobytes()
     assert not (tmp_path / "cache").exists()  # read in place, nothing converted
 
 
 def test_stdlib_corpus_is_python_source():
-    files = run.corpus_files(run.stdlib_folder(), ".py")
+    files = corpora.corpus_files(corpora.stdlib_folder(), ".py")
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
     assert not any("site-packages" in f.parts for f in files)
 
@@ -180,8 +181,8 @@ def range_cases() -> list[tuple[list[str], str]]:
     """For every flag with a range (its Facts in run.py): a value just outside each finite end,
     and the refusal that names the flag, its range and the value."""
     cases, defaults = [], run.Args()
-    for name, facts in run.flag_facts().items():
-        kind = type(getattr(defaults, name))
+    for name, facts in flags.facts_of(run.Args).items():
+        kind = type(flags.value(defaults, name))
         for end, is_open, step in ((facts.low, facts.open[0], -1), (facts.high, facts.open[1], 1)):
             if math.isfinite(end):
                 value = outside(end, is_open, step, kind)
@@ -192,10 +193,10 @@ def range_cases() -> list[tuple[list[str], str]]:
 def test_the_ranges_cover_the_flags_whose_values_are_bounded():
     """Every int or float flag that has a bound has it in its Facts (one place), and the cases
     above reach both kinds of end."""
-    ranged = {name for name, facts in run.flag_facts().items() if facts.ranged()}
+    ranged = {name for name, facts in flags.facts_of(run.Args).items() if facts.ranged()}
     unbounded = {"presence_penalty", "sample_replica"}  # any value means something
     numbers = {
-        f.name for f in dataclasses.fields(run.Args) if type(getattr(run.Args(), f.name)) in (int, float)
+        name for name in flags.hints_of(run.Args) if type(flags.value(run.Args(), name)) in (int, float)
     }
     assert numbers - ranged == unbounded
     messages = [message for _, message in range_cases()]

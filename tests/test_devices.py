@@ -11,7 +11,7 @@ import time
 
 from helpers import ROOT, TINY, checkpoint_digest
 
-import run
+from egg import supervisor
 
 # the tiny run, its population given per layout, validated on 6 rows: padded to 8 on 4 devices
 COMMON = [*TINY, "--validation_batch_size", "6"]
@@ -173,19 +173,20 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
 
 SHARDED = """
 import jax, numpy as np, run
+from egg import cluster, hlo
 args = run.Args(n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4, tokens_per_update=8,
                 fast_fitness={fast})
-mesh = run.population_mesh()
+mesh = cluster.population_mesh(run.POP)
 cfg = run.make_config(args, mesh.size)
-params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, [0]))
+params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, run.replicas_of(args)))
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
-inputs = run.replica_inputs(args, cfg, run.replica_settings(args), 0)
+inputs = run.replica_inputs(cfg, run.replicas_of(args), 0)
 step = run.make_generation_step(cfg, mesh).lower(params, opt, states, batch, np.int32(0), *inputs)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
-for name, hlo in programs.items():
-    print("floats", name, [t for t in ("f16", "bf16", "f32", "f64") if t in hlo])
-for op, size in run.collective_traffic(programs["step"]):
+for name, text in programs.items():
+    print("floats", name, [t for t in ("f16", "bf16", "f32", "f64") if t in text])
+for op, size in hlo.collective_traffic(programs["step"]):
     print(op, size)
 print("segments", cfg.segments)
 print("params", run.num_parameters(cfg))
@@ -304,6 +305,8 @@ def test_a_process_busy_in_python_is_not_taken_for_lost():
 def test_the_lost_process_is_named_from_jaxs_log():
     on_the_coordinator = "E1125 coordination_service.cc:1520] ... UNAVAILABLE: Task 2 heartbeat timeout. This"
     elsewhere = "The following tasks are unhealthy (stopped sending heartbeats):\n3\nThe tasks have crashed."
-    assert run.lost_processes(on_the_coordinator) == "process 2"
-    assert run.lost_processes(elsewhere + "\n" + elsewhere) == "process 3"
-    assert run.lost_processes("Failed to reach the coordination service") == "process 0, the coordinator,"
+    assert supervisor.lost_processes(on_the_coordinator) == "process 2"
+    assert supervisor.lost_processes(elsewhere + "\n" + elsewhere) == "process 3"
+    assert (
+        supervisor.lost_processes("Failed to reach the coordination service") == "process 0, the coordinator,"
+    )

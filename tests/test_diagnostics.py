@@ -1,38 +1,40 @@
-"""Integer-health diagnostics against numpy on known tensors."""
+"""Integer-health diagnostics (egg/diagnostics.py) against numpy on known tensors, and what run.py
+feeds them: the activations of its one noise-free forward and the moved counts of its update."""
 
 import math
 
 import jax
 import numpy as np
 import pytest
-from helpers import fitness_of_one_model
+from helpers import es_update, fitness_of_one_model, thresholds
 
 import run
+from egg.diagnostics import diagnostics, diagnostics_table, tensor_stats
 
 
 def test_tensor_stats_match_numpy():
     values = np.array([127, 127, -127, 0, 0, 0, 0, 5], np.int8)
-    stats = run.tensor_stats(values)
+    stats = tensor_stats(values, 127)
     p = np.array([2, 1, 4, 1]) / 8
     assert stats["mean"] == pytest.approx(values.astype(float).mean())
     assert stats["std"] == pytest.approx(values.astype(float).std())
     assert stats["entropy"] == pytest.approx(-(p * np.log2(p)).sum())
     assert stats["saturated"] == pytest.approx(3 / 8)
-    every = run.tensor_stats(np.arange(-127, 128, dtype=np.int8))
+    every = tensor_stats(np.arange(-127, 128, dtype=np.int8), 127)
     assert every["entropy"] == pytest.approx(math.log2(255)) and every["mean"] == 0
-    assert run.tensor_stats(np.zeros(10, np.int8))["entropy"] == 0
+    assert tensor_stats(np.zeros(10, np.int8), 127)["entropy"] == 0
 
 
 def setup():
     cfg = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=4))
-    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
+    params = jax.tree.map(np.array, run.init_params(cfg, 0))  # writable copies
     rows = np.random.default_rng(0).integers(1, 256, (3, 12)).astype(np.uint8)
     return cfg, params, rows
 
 
 def test_probe_sees_the_real_activations():
     cfg, params, rows = setup()
-    seen = jax.tree.map(np.asarray, run.make_probe(cfg)(params, rows))
+    seen = jax.tree.map(np.asarray, run.activations(params, rows, cfg))
     np.testing.assert_array_equal(seen["embedding"], params["emb"][rows])
     assert seen["gate"].shape == (3, 12, 2, 8) and seen["mlp_hidden"].shape == (3, 12, 2, 32)
     assert seen["logits"].shape == (3, 12, 256) and (seen["mlp_hidden"] < 0).any()  # upstream's MLP: no ReLU
@@ -40,16 +42,35 @@ def test_probe_sees_the_real_activations():
     np.testing.assert_array_equal(seen["state"][:2, -1], h)  # the states after the last byte
 
 
+def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
+    """From the update's counts (a tensor's, a block parameter's layer by layer) against the
+    parameters themselves before and after."""
+    args = run.Args(
+        n_embd=8, n_layer=2, parallel_generations_per_gpu=8, alpha=0.5, optimizer="ztest", segments=1
+    )
+    cfg = run.make_config(args)
+    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
+    scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
+    noise = run.generation_noise(cfg, 0, 0)
+    new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)
+    shares = run.moved_shares(cfg, np.asarray(moved))
+    want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in run.PARAM_NAMES}
+    assert (
+        shares == pytest.approx(want) and min(want.values()) < max(want.values()) and max(want.values()) > 0
+    )
+
+
 def test_parameter_shares_and_table_colours():
     cfg, params, rows = setup()
-    seen = jax.tree.map(np.asarray, run.make_probe(cfg)(params, rows))
-    moved = {k: v.copy() for k, v in params.items()}
-    moved["Wf"].flat[:16] = 127  # 16 of 2 * 64 entries moved, to the saturated value
-    values = run.diagnostics(seen, moved, params)
+    seen = jax.tree.map(np.asarray, run.activations(params, rows, cfg))
+    params["Wf"].flat[:16] = 127  # 16 of 2 * 64 entries at the saturated value
+    shares = {name: 0.0 for name in run.PARAM_NAMES} | {"Wf": 16 / 128}
+    values = diagnostics(seen, params, shares, run.INT8_MAX)
     assert values["diag/param_Wf/moved"] == pytest.approx(16 / 128)
-    assert values["diag/param_Wf/saturated"] == pytest.approx(np.mean(np.abs(moved["Wf"]) == 127))
+    assert values["diag/param_Wf/saturated"] == pytest.approx(np.mean(np.abs(params["Wf"]) == 127))
     assert values["diag/param_head/moved"] == 0
-    assert values["diag/state1/entropy"] == pytest.approx(run.tensor_stats(seen["state"][:, :, 1])["entropy"])
-    table = run.diagnostics_table(values)
+    state1 = tensor_stats(seen["state"][:, :, 1], 127)["entropy"]
+    assert values["diag/state1/entropy"] == pytest.approx(state1)
+    table = diagnostics_table(values)
     assert "\033[31mparam_Wf" in table and "\033[32mparam_head" in table  # 12.5% saturated: red
     assert len(table.splitlines()) == 1 + 2 + 5 * 2 + len(run.PARAM_NAMES)

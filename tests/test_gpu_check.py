@@ -9,7 +9,9 @@ import sys
 import jax.numpy as jnp
 from helpers import ROOT, tiny_args
 
+import bench
 import run
+from egg import hlo
 
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
@@ -30,17 +32,17 @@ def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):
         {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 12.5},
         {"ph": "X", "pid": 2, "name": "gemm_fusion_dot_47", "dur": 7.5},
         {"ph": "X", "pid": 2, "name": "loop_convert_fusion_1", "dur": 3.0},
-        {"ph": "X", "pid": 2, "name": "int8_product_96_512", "dur": 4.0},  # one kernel's two variants
-        {"ph": "X", "pid": 2, "name": "int8_product_96_512__1", "dur": 6.0},
+        {"ph": "X", "pid": 2, "name": "int8_product", "dur": 4.0},  # the kernel's two variants
+        {"ph": "X", "pid": 2, "name": "int8_product__1", "dur": 6.0},
     ]
     with gzip.open(tmp_path / "t.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     times = gpu_check.kernel_times(tmp_path / "t.json.gz")
-    assert times == {"gemm_fusion_dot_47": 20.0, "loop_convert_fusion_1": 3.0, "int8_product_96_512": 10.0}
-    modeled = {"gemm_fusion_dot_47": 15.0, "loop_convert_fusion_1": 1.0, "int8_product_96_512": 8.0}
+    assert times == {"gemm_fusion_dot_47": 20.0, "loop_convert_fusion_1": 3.0, "int8_product": 10.0}
+    modeled = {"gemm_fusion_dot_47": 15.0, "loop_convert_fusion_1": 1.0, "int8_product": 8.0}
     lines = gpu_check.compare_kernels(times, modeled)
     assert lines[1].split() == ["gemm_fusion_dot_47", "20.0", "15.0"]
-    assert lines[2].split() == ["int8_product_96_512", "10.0", "8.0"]
+    assert lines[2].split() == ["int8_product", "10.0", "8.0"]
     assert lines[-1].split()[-2:] == ["33.0", "24.0"]
 
 
@@ -52,20 +54,19 @@ def test_one_generation_is_profiled_beside_the_cost_model_of_its_kernels(tmp_pat
     assert modeled and all(us > 0 for us in modeled.values())
 
 
-def test_the_models_product_kernels_go_by_the_names_a_trace_gives_them():
+def test_the_models_product_kernels_go_by_the_name_a_trace_gives_them():
     args = tiny_args("--n_embd", "32", "--parallel_generations_per_gpu", "64")
-    mesh = run.target_mesh("h100", 1)
+    mesh = bench.target_mesh("h100", 1)
     cfg = run.mesh_config(args, mesh)
-    with run.without_compilation_cache():
-        step = run.make_generation_step(cfg, mesh, "train").lower(*run.abstract_inputs(args, cfg, mesh))
-        hlo = step.compile().as_text()
-    modeled = gpu_check.modeled_times(hlo)
-    kernels = run.gpu_kernels(hlo)
-    declared = {f"{run.PRODUCT_KERNEL}_{k.bytes}_{k.macs}" for k in kernels if k.kind == "product"}
-    assert declared and declared <= set(modeled)  # one entry per declared name, its calls summed
-    for name in declared:
-        calls = [k for k in kernels if k.kind == "product" and name.endswith(f"_{k.bytes}_{k.macs}")]
-        assert modeled[name] > sum(k.runs for k in calls) * run.ROOFLINES["h100"].launch * 1e6 * 0.99
+    with bench.without_compilation_cache():
+        traced = run.make_generation_step(cfg, mesh, "train").trace(*bench.abstract_inputs(args, cfg, mesh))
+        text = traced.lower().compile().as_text()
+    costs = bench.pallas_costs(traced.jaxpr)
+    modeled = gpu_check.modeled_times(text, costs)
+    kernels = [k for k in hlo.gpu_kernels(text, costs) if k.kind == "pallas"]
+    assert kernels and all(k.bytes and k.macs for k in kernels)  # each costed as it declares
+    calls = sum(k.runs for k in kernels)  # one entry for all of them, its calls summed
+    assert modeled["int8_product"] > calls * bench.ROOFLINES["h100"].launch * 1e6 * 0.99
     assert not [name for name in modeled if name.startswith("pallas_call")]  # none under its HLO name
 
 

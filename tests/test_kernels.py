@@ -7,9 +7,10 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import one_model_step
+from helpers import one_model_step, z_thresholds
 
 import run
+from egg import cluster
 
 SIDES, REPEATS, PAIRS, N, M, LAYERS = 2, 2, 32, 32, 64, 3
 
@@ -126,13 +127,13 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkey
     )
     cpu = run.make_config(args)
     gpu = cpu._replace(**GPU_LIKE)
-    mesh = run.population_mesh(jax.devices()[:1])
+    mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
     rng = np.random.default_rng(5)
     params = jax.tree.map(np.asarray, run.init_params(cpu, 1))
     states = rng.integers(-127, 128, (cpu.population, cpu.n_layer, cpu.n_embd)).astype(np.int8)
     opt = jax.tree.map(np.asarray, run.init_optimizer(cpu))
     batches = rng.integers(1, 256, (2, cpu.population // 2, cpu.tokens + 1)).astype(np.uint8)
-    thresholds = run.z_thresholds(args, cpu)
+    thresholds = z_thresholds(args, cpu)
     results, calls = [], counting_kernel_calls(monkeypatch)
     for cfg in (cpu, gpu):
         step = run.make_generation_step(cfg, mesh)
@@ -155,7 +156,7 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkey
 def test_validation_as_a_gpu_runs_it_equals_the_cpus(monkeypatch):
     args = run.parse_args(["--n_embd", "32", "--n_layer", "2", "--replicas", "2"])
     cfg = run.make_config(args)
-    mesh = run.population_mesh(jax.devices()[:1])
+    mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
     params = jax.vmap(lambda seed: run.init_params(cfg, seed))(jnp.array([0, 1]))
     rows = np.random.default_rng(2).integers(0, 256, (32, 9)).astype(np.uint8)
     calls = counting_kernel_calls(monkeypatch)

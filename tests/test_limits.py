@@ -8,6 +8,7 @@ import pytest
 from helpers import CACHE, in_process, member_matmul, one_line_error
 
 import run
+from egg import cluster
 
 WORST_NOISE = int(np.abs(run.make_tables(1).gauss).max())  # 46: the largest |noise entry|
 
@@ -18,7 +19,7 @@ def largest(key, step, **base):
 
     def refused(value):
         try:
-            run.check_ranges(run.make_config(run.Args(**{**base, key: value})))
+            run.check_bounds(run.make_config(run.Args(**{**base, key: value})))
         except run.UserError as error:
             return str(error)
         return None
@@ -86,7 +87,7 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     worst = int(run.log2_likelihood(jnp.asarray(logits), 65, run.make_tables(1)))
     assert -run.LL_BOUND <= worst < -254 * 16
     with_replica_axis = {k: v[None] for k, v in params.items()}
-    fitness = np.asarray(run.make_evaluate(cfg, run.population_mesh())(with_replica_axis, rows))[0]
+    fitness = np.asarray(run.make_evaluate(cfg, cluster.population_mesh(run.POP))(with_replica_axis, rows))[0]
     print(f"{tokens:,} tokens of log2-likelihood {worst}: fitness {fitness.tolist()}")
     assert fitness.tolist() == [worst * tokens] * 2 and worst * tokens < -(2**30)
     # the pair difference, in int32, through both shapings
@@ -187,9 +188,9 @@ def test_bounds_count_every_segments_pairs(fast):
     # the default (--segments 0) takes 10, or as many as the bound allows: every population runs
     for population in (2 * alone // 10, alone // 2, alone):
         cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, **base))
-        run.check_ranges(cfg)
+        run.check_bounds(cfg)
         assert cfg.segments == min(10, alone // population)
         refused = cfg._replace(segments=cfg.segments + 1)
         assert cfg.segments == 10 or "--segments" in str(
-            pytest.raises(run.UserError, run.check_ranges, refused).value
+            pytest.raises(run.UserError, run.check_bounds, refused).value
         )

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import fitness_of_one_model, one_model_step
+from helpers import fitness_of_one_model, one_model_step, z_thresholds
 
 import run
+from egg import cluster
 
 
 def random_params(cfg, rng):
@@ -92,7 +93,7 @@ def test_noise_free_logits_equal_the_reference_byte_by_byte():
     rng = np.random.default_rng(3)
     params = random_params(cfg, rng)
     _, tokens = window(cfg, rng, 3)
-    seen = jax.tree.map(np.asarray, run.make_probe(cfg)(params, tokens))
+    seen = jax.tree.map(np.asarray, run.activations(params, tokens, cfg))
     zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
     for row in range(3):
         _, _, logits = reference.member_fitness(
@@ -138,8 +139,8 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     states, tokens = window(cfg, rng, cfg.population)
     batch = tokens[0::2]  # group_size 2: a pair's members read one sequence
     tokens = np.repeat(batch, 2, axis=0)
-    thresholds = run.z_thresholds(args, cfg)[7]
-    step = run.make_generation_step(cfg, run.population_mesh(jax.devices()[:1]))
+    thresholds = z_thresholds(args, cfg)[7]
+    step = run.make_generation_step(cfg, cluster.population_mesh(run.POP, jax.devices()[:1]))
     new, _, final, fitness, _ = one_model_step(
         step, (params, {}, states), batch, 7, thresholds, args.seed, args.sigma_shift
     )

@@ -9,6 +9,7 @@ import pytest
 from helpers import member_embed, member_matmul, member_vector
 
 import run
+from egg import flags
 
 
 def cfg(**overrides):
@@ -269,7 +270,9 @@ def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
     table = jnp.asarray(run.make_tables(1).gauss)
     zero = jnp.zeros(table.shape, jnp.int8)
     largest = int(np.abs(run.make_tables(1).gauss).max()).bit_length() - (run.NOISE_FRAC - run.WEIGHT_FRAC)
-    assert largest == run.flag_facts()["sigma_shift"].high == 6  # the table's largest |entry| is 46 < 2**6
+    assert (
+        largest == flags.facts_of(run.Args)["sigma_shift"].high == 6
+    )  # the table's largest |entry| is 46 < 2**6
     for shift, perturbed in ((largest, True), (largest + 1, False)):
         moved = member_vector(zero, table, 1, shift)
         assert bool(np.any(moved != 0)) is perturbed, shift

@@ -13,6 +13,7 @@ from helpers import TINY, cli, in_process, one_line_error
 from test_devices import launch, two_processes, wait
 
 import run
+from egg import pbt
 
 # three replicas: a fixed share, and two schedules with their own decay, each its own sigma_shift
 THREE = (
@@ -84,9 +85,9 @@ def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
     train(capsys, tmp_path / "three", *THREE, *flags)
     together = arrays(final(tmp_path / "three", 4))
     logged = records(tmp_path / "three")
-    settings = run.replica_settings(run.parse_args([*TINY, *THREE]))
+    settings = run.replicas_of(run.parse_args([*TINY, *THREE]))
     for k, setting in enumerate(settings):
-        alone_flags = [f"--{name}={value}" for name, value in setting.items()]
+        alone_flags = [f"--{name}={value}" for name, value in setting._asdict().items()]
         train(capsys, tmp_path / f"alone{k}", *alone_flags, *flags)
         alone = arrays(final(tmp_path / f"alone{k}", 4))
         assert together.keys() == alone.keys()
@@ -106,30 +107,34 @@ def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
 def test_pbt_step_ranks_copies_and_explores_deterministically():
     scores = [5.0, 3.0, 4.0, 6.0, 2.0, 7.0, 1.0, 8.0]  # best: 6, 4; worst: 7, 5
     settings = [
-        dict(seed=10 + k, alpha=4.0 - k / 4, alpha_decay_timestep=1000, sigma_shift=k % 7) for k in range(8)
+        run.Replica(seed=10 + k, alpha=4.0 - k / 4, alpha_decay_timestep=1000, sigma_shift=k % 7)
+        for k in range(8)
     ]
-    source, new, lineage = run.pbt_step(scores, settings, seed=0, generation=20)
+    sigma = (0, 6)  # --sigma_shift's range
+    source, new, lineage = pbt.pbt_step(scores, settings, seed=0, generation=20, sigma_range=sigma)
     assert source.tolist() == [0, 1, 2, 3, 4, 4, 6, 6]
     assert [(x["replica"], x["copied"]) for x in lineage] == [(7, 6), (5, 4)]
     for loser, winner in ((7, 6), (5, 4)):
         old, got = settings[winner], new[loser]
-        assert got["seed"] == settings[loser]["seed"]  # its own noise, never a copy of another's
-        assert got["alpha"] in (round(1 + (old["alpha"] - 1) * f, 4) for f in run.PBT_FACTORS)
-        assert got["alpha_decay_timestep"] in (800, 1250)
-        assert got["sigma_shift"] in {min(max(old["sigma_shift"] + d, 0), 6) for d in (-1, 0, 1)}
+        assert got.seed == settings[loser].seed  # its own noise, never a copy of another's
+        assert got.alpha in (round(1 + (old.alpha - 1) * f, 4) for f in pbt.PBT_FACTORS)
+        assert got.alpha_decay_timestep in (800, 1250)
+        assert got.sigma_shift in {min(max(old.sigma_shift + d, 0), 6) for d in (-1, 0, 1)}
     assert [new[k] for k in (0, 1, 2, 3, 4, 6)] == [settings[k] for k in (0, 1, 2, 3, 4, 6)]
-    assert run.pbt_step(scores, settings, seed=0, generation=20)[1] == new  # the same draw on resume
+    assert (
+        pbt.pbt_step(scores, settings, seed=0, generation=20, sigma_range=sigma)[1] == new
+    )  # the same draw on resume
     # sigma_shift keeps the winner's half the time, else moves one up or down (never two)
     rng = np.random.default_rng(0)
-    steps = [run.explore(settings[3], rng)["sigma_shift"] - 3 for _ in range(2000)]
+    steps = [pbt.explore(settings[3], rng, sigma).sigma_shift - 3 for _ in range(2000)]
     assert set(steps) == {-1, 0, 1} and abs(steps.count(0) / 2000 - 0.5) < 0.04
     assert abs(steps.count(1) - steps.count(-1)) / 2000 < 0.04
     # ties: the lower index ranks better; fixed shares stay at most 1
-    shares = [dict(s, alpha=0.9) for s in settings[:4]]
-    source, new, _ = run.pbt_step([1.0] * 4, shares, seed=1, generation=2)
-    assert source.tolist() == [0, 1, 2, 0] and new[3]["alpha"] in (0.72, 1.0)
+    shares = [s._replace(alpha=0.9) for s in settings[:4]]
+    source, new, _ = pbt.pbt_step([1.0] * 4, shares, seed=1, generation=2, sigma_range=sigma)
+    assert source.tolist() == [0, 1, 2, 0] and new[3].alpha in (0.72, 1.0)
     trees = {"w": np.arange(24, dtype=np.int8).reshape(4, 6), "m": np.arange(8, dtype=np.int16).reshape(4, 2)}
-    copied = run.copy_replicas(trees, np.array([0, 1, 2, 0], np.int32))
+    copied = pbt.copy_replicas(trees, np.array([0, 1, 2, 0], np.int32))
     for k, j in enumerate([0, 1, 2, 0]):
         assert all(np.array_equal(np.asarray(copied[n][k]), trees[n][j]) for n in trees)
 

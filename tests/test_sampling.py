@@ -1,4 +1,5 @@
-"""Sampling from the model's integer logits: min_p, presence penalty, greedy, reproducibility."""
+"""Sampling (egg/sampling.py) from the model's integer logits (run.py's noise-free reader): min_p,
+presence penalty, greedy, reproducibility, and --sample on the command line."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,22 +7,24 @@ import pytest
 from helpers import in_process, one_line_error
 
 import run
+from egg import checkpoints, sampling
 
 
 def logits_with(**bits):
-    """int8 logits (log2-probabilities at 4 fractional bits) for the given bytes, -64 elsewhere."""
+    """Log2-probabilities in bits for the given bytes, -4 elsewhere (int8 logits at 4 fractional bits:
+    -64 / 16)."""
     logits = np.full(256, -64, np.int8)
     for char, value in bits.items():
         logits[ord(char)] = value * 16
-    return logits
+    return logits / 2**run.LOGIT_FRAC
 
 
 def test_min_p_drops_unlikely_bytes():
     logits = logits_with(A=4, B=3, C=0)  # weights 1, 1/2, 1/16 relative to A; the rest 2**-8
-    probs = run.sampling_probabilities(logits, np.zeros(256, bool), 1.0, 0.1, 0.0)
+    probs = sampling.probabilities(logits, np.zeros(256, bool), 1.0, 0.1, 0.0)
     np.testing.assert_allclose(probs[[65, 66]], [2 / 3, 1 / 3])
     assert probs.sum() == pytest.approx(1) and np.count_nonzero(probs) == 2
-    kept = run.sampling_probabilities(logits, np.zeros(256, bool), 1.0, 0.05, 0.0)
+    kept = sampling.probabilities(logits, np.zeros(256, bool), 1.0, 0.05, 0.0)
     np.testing.assert_allclose(kept[[65, 66, 67]], np.array([1, 0.5, 1 / 16]) / 1.5625)
 
 
@@ -29,23 +32,23 @@ def test_presence_penalty_lowers_generated_bytes():
     logits = logits_with(A=4, B=3)
     generated = np.zeros(256, bool)
     generated[65] = True  # A already generated: 4 - 2 = 2 bits, now below B
-    probs = run.sampling_probabilities(logits, generated, 1.0, 0.1, 2.0)
+    probs = sampling.probabilities(logits, generated, 1.0, 0.1, 2.0)
     np.testing.assert_allclose(probs[[65, 66]], [1 / 3, 2 / 3])
 
 
 def test_temperature_sharpens_and_zero_is_greedy():
     logits = logits_with(A=4, B=3)
-    cold = run.sampling_probabilities(logits, np.zeros(256, bool), 0.5, 0.0, 0.0)
+    cold = sampling.probabilities(logits, np.zeros(256, bool), 0.5, 0.0, 0.0)
     assert cold[65] / cold[66] == pytest.approx(4)  # 2 ** (1 bit / 0.5)
     for temperature in (0.0, 1e-9):
-        greedy = run.sampling_probabilities(logits, np.zeros(256, bool), temperature, 1.0, 0.0)
+        greedy = sampling.probabilities(logits, np.zeros(256, bool), temperature, 1.0, 0.0)
         assert greedy[65] == 1 and greedy.sum() == 1
 
 
 def model():
-    args = run.Args(n_embd=16, n_layer=1, seed=3, max_new_bytes=40, prompt="def ")
+    args = run.Args(n_embd=16, n_layer=1, seed=3)
     cfg = run.make_config(args)
-    return args, cfg, run.init_params(cfg, args.seed)
+    return sampling.Flags(max_new_bytes=40, prompt="def "), cfg, run.init_params(cfg, args.seed)
 
 
 def test_sampling_is_reproducible_for_a_seed():
@@ -59,28 +62,29 @@ def test_sampling_is_reproducible_for_a_seed():
 def test_min_p_one_at_low_temperature_is_greedy_decoding():
     args, cfg, params = model()
     args = run.dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
+
     got = run.sample_text(params, cfg, args, seed=5)
-    step, h = run.make_sampler(cfg), jnp.zeros((1, 16), jnp.int8)
-    for byte in b"\0def ":
-        logits, h = step(params, h, np.uint8(byte))
+    read, h = run.make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
+    h, logits, _ = read(params, h, np.frombuffer(b"\0def ", np.uint8)[None])
     for byte in got:  # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
-        assert np.asarray(logits)[byte] == np.asarray(logits).max()
-        logits, h = step(params, h, np.uint8(byte))
+        assert np.asarray(logits)[0, byte] == np.asarray(logits)[0].max()
+        h, logits, _ = read(params, h, np.array([[byte]], np.uint8))
     assert len(got) == 12
 
 
 def test_undecodable_bytes_are_shown_safely():
-    assert run.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
+    assert sampling.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
 
 
 def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     args, cfg, params = model()
-    run.save_checkpoint(
+    model_flags = {"n_embd": 16, "n_layer": 1, "mlp_relu": False}
+    checkpoints.save_checkpoint(
         tmp_path / "ckpt",
         params,
         {},
         np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8),
-        {"args": {"n_embd": 16, "n_layer": 1, "mlp_relu": False}},
+        {"format": 3, "args": model_flags, "training": model_flags},
     )
     result = in_process(
         capsys,
@@ -96,7 +100,7 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")
-    expected = run.printable(
+    expected = sampling.printable(
         run.sample_text(
             params, cfg, run.dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4
         )

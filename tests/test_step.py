@@ -1,16 +1,16 @@
 """The jitted generation step: integer only, reproducible, antithetic and shared-noise layout."""
 
 import re
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import fitness_of_one_model, one_model_step
+from helpers import fitness_of_one_model, one_model_step, z_thresholds
 
 import run
+from egg import cluster
 
 FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
 
@@ -55,13 +55,13 @@ def jaxpr_dtypes(jaxpr):
 
 def step_and_evaluate(args, c, batch) -> tuple[dict, dict]:
     """(params, {name: (program, its inputs)}) of a fresh run's training step and validation, one device."""
-    mesh = run.population_mesh(jax.devices()[:1])
-    settings = run.replica_settings(args)
-    params, opt, states = run.init_run(c, [s["seed"] for s in settings])
+    mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
+    replicas = run.replicas_of(args)
+    params, opt, states = run.init_run(c, replicas)
     programs = {
         "step": (
             run.make_generation_step(c, mesh),
-            (params, opt, states, batch, np.int32(0), *run.replica_inputs(args, c, settings, 0)),
+            (params, opt, states, batch, np.int32(0), *run.replica_inputs(c, replicas, 0)),
         ),
         "evaluate": (run.make_evaluate(c, mesh), (params, np.asarray(batch[:2]))),
     }
@@ -110,7 +110,7 @@ def run_generations(step, args, c, batch, generations=3):
         run.init_optimizer(c),
         np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
     )
-    thresholds = run.z_thresholds(args, c)
+    thresholds = z_thresholds(args, c)
     fitness = []
     for g in range(generations):
         *carry, f, _ = one_model_step(step, carry, batch, g, thresholds[g], args.seed, args.sigma_shift)
@@ -120,7 +120,7 @@ def run_generations(step, args, c, batch, generations=3):
 
 def test_generations_are_exactly_reproducible_and_move_parameters():
     args, c, batch = setup()
-    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+    step = run.make_generation_step(c, cluster.population_mesh(run.POP, jax.devices()[:1]))
     p1, _, s1, f1 = run_generations(step, args, c, batch)
     p2, _, s2, f2 = run_generations(step, args, c, batch)
     for name in run.PARAM_NAMES:
@@ -150,10 +150,10 @@ def test_shared_pair_state_gives_both_members_their_rounded_mean():
     want = np.array([7, 7, -7, -7, 127, 127, 0, 0], np.int8).reshape(8, 1, 1)
     np.testing.assert_array_equal(run.pair_mean(jnp.asarray(states)), want)
     args, c, batch = setup(shared_pair_state=True)
-    step = run.make_generation_step(c, run.population_mesh(jax.devices()[:1]))
+    step = run.make_generation_step(c, cluster.population_mesh(run.POP, jax.devices()[:1]))
     params, opt, states, _ = run_generations(step, args, c, batch, generations=2)
     assert np.any(states[0::2] != states[1::2])  # each pair's noise parted its members' states
-    thresholds = run.z_thresholds(args, c)[2]
+    thresholds = z_thresholds(args, c)[2]
 
     def fitness(step, states):
         return one_model_step(step, (params, opt, states), batch, 2, thresholds, args.seed, args.sigma_shift)[
@@ -163,7 +163,7 @@ def test_shared_pair_state_gives_both_members_their_rounded_mean():
     as_mean = fitness(step, np.asarray(run.pair_mean(jnp.asarray(states))))
     np.testing.assert_array_equal(fitness(step, states), as_mean)  # the step starts from the pair means
     own = run.make_generation_step(
-        c._replace(shared_pair_state=False), run.population_mesh(jax.devices()[:1])
+        c._replace(shared_pair_state=False), cluster.population_mesh(run.POP, jax.devices()[:1])
     )
     assert np.any(fitness(own, states) != as_mean)
 
@@ -183,72 +183,3 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], 0, c.mlp_relu)
     assert int(alone) == int(ll[1])
     np.testing.assert_array_equal(h_alone, h_end[1])
-
-
-def benchmark_args(**overrides):
-    args = dict(n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8)
-    return run.Args(benchmark=True, **{**args, **overrides})
-
-
-def test_benchmark_prints_one_table_with_every_mode(capsys):
-    rate = run.benchmark(benchmark_args(num_epochs=2))  # --num_epochs given: exactly 2 of each
-    assert set(rate) == {"a", "b", "c", "d"} and all(v > 0 for v in rate.values())
-    out = capsys.readouterr().out
-    for label in (
-        "a training",
-        "b fitness only",
-        "c inference",
-        "d full-rank ES",
-        "training / inference (a/c)",
-        "peak RSS",
-        "temp MiB",
-        "median of 2 generations",
-        "a bare JAX process on this machine",
-    ):
-        assert label in out
-    assert "note:" not in out
-    bare = float(re.search(r"jitted int8 dot\) ([0-9.]+) GiB", out).group(1))
-    assert 0.05 < bare < 4
-
-
-def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(capsys, monkeypatch):
-    monkeypatch.setattr(run, "host_memory_left", lambda: 0)  # nothing left: any temporaries are too many
-    rate = run.benchmark(benchmark_args(num_epochs=1))
-    assert set(rate) == {"a", "b", "c"}
-    out = capsys.readouterr().out
-    assert re.search(
-        r"note: d full-rank ES skipped: its compiled program needs [0-9.]+ GiB of temporaries", out
-    )
-    assert "on 1 device(s), more than the 0.0 GiB free" in out
-
-
-def test_memory_left_is_one_accelerators_or_the_hosts_for_every_cpu_device(monkeypatch):
-    def mesh(stats, devices):
-        device = SimpleNamespace(memory_stats=lambda: stats)
-        return SimpleNamespace(devices=np.array([device] * devices), local_devices=[device] * devices)
-
-    gpu = {"bytes_limit": 80 * 2**30, "bytes_in_use": 2**30, "peak_bytes_in_use": 2**31}
-    assert run.memory_left(mesh(gpu, 2)) == (79 * 2**30, 1)  # each device's own memory
-    monkeypatch.setattr(run, "host_memory_left", lambda: 5 * 2**30)
-    assert run.memory_left(mesh(None, 3)) == (5 * 2**30, 3)  # the CPU's devices share the host's
-
-
-def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
-    rate = run.benchmark(benchmark_args(), budget=0.0)  # no time at all: the least it does
-    assert set(rate) == {"a", "b", "c"}
-    out = capsys.readouterr().out
-    assert "median of 3 generations" in out and "note: d full-rank ES skipped" in out
-    assert "note: no --num_epochs: timed 3 generation(s) of a, b, c, what fits" in out
-    assert run.flag_given(["--benchmark", "--num-epochs=3"], "num_epochs")
-    assert run.flag_given(["--num_epochs", "3"], "num_epochs")
-    assert not run.flag_given(["--benchmark", "--n_embd", "8"], "num_epochs")
-
-
-def test_benchmark_of_replicas_times_one_run_of_as_many_members_beside_them(capsys):
-    rate = run.benchmark(benchmark_args(replicas=2, replica_sigma_shift=(3, 5)), budget=0.0)
-    assert set(rate) == {"a", "b", "c", "e"} and all(v > 0 for v in rate.values())
-    out = capsys.readouterr().out
-    assert "2 replicas, each population 16" in out and "(a, b, c, e taking turns)" in out
-    assert "e one run of 32" in out and "timed 3 generation(s) of a, b, c, e" in out
-    ratio = float(re.search(r"2 replicas of population 16 / one run of 32 \(a/e\): ([0-9.]+)%", out).group(1))
-    assert abs(ratio - 100 * rate["a"] / rate["e"]) < 0.1

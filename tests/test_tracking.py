@@ -13,6 +13,7 @@ import yaml
 from helpers import CACHE, ROOT, cli
 
 import run
+from egg import corpora, flags
 
 TINY = [
     "--n_embd",
@@ -50,15 +51,15 @@ def test_minipile_is_converted_once_then_read_from_the_cache(tmp_path, monkeypat
         return local_minipile()
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr(run, "hub_reachable", lambda: True)
-    splits = run.load_minipile(str(tmp_path))
-    assert calls == [run.MINIPILE]
+    monkeypatch.setattr(corpora, "hub_reachable", lambda: True)
+    splits = corpora.load_minipile(str(tmp_path))
+    assert calls == [corpora.MINIPILE]
     want = b"".join(b"\0" + t.encode() for t in local_minipile()["train"]["text"])
     assert bytes(splits["train"]) == want and isinstance(splits["train"], np.memmap)
     assert bytes(splits["test"]) == b"\0test"
-    run.load_minipile(str(tmp_path))
-    assert calls == [run.MINIPILE]  # second time: the cache, no hub
-    monkeypatch.setattr(run, "hub_reachable", lambda: pytest.fail("touched the network"))
+    corpora.load_minipile(str(tmp_path))
+    assert calls == [corpora.MINIPILE]  # second time: the cache, no hub
+    monkeypatch.setattr(corpora, "hub_reachable", lambda: pytest.fail("touched the network"))
     train, valid = run.open_data(run.Args(data="minipile", dir_path=str(tmp_path)))
     assert bytes(train) == want and bytes(valid) == b"\0held out text" * 40
     assert not list(tmp_path.glob("*.tmp*"))
@@ -72,7 +73,7 @@ def test_conversion_streams_batches(tmp_path):
             for i in range(3):
                 yield {"text": [f"doc{i}-{j}" for j in range(2)]}
 
-    run.convert_splits({"train": Batches()}, tmp_path, "mini")
+    corpora.convert_splits({"train": Batches()}, tmp_path, "mini")
     assert (tmp_path / "mini_train.bin").read_bytes() == b"\0doc0-0\0doc0-1\0doc1-0\0doc1-1\0doc2-0\0doc2-1"
 
 
@@ -88,7 +89,7 @@ def test_baselines_match_direct_counting():
     rng = np.random.default_rng(0)
     train = rng.choice(np.frombuffer(b"aab cd\n", np.uint8), 5000).astype(np.uint8)
     rows = rng.choice(np.frombuffer(b"abcd \n", np.uint8), (4, 30)).astype(np.uint8)
-    got = run.measure_baselines(train, rows)
+    got = corpora.measure_baselines(train, rows)
     unigram, pairs = (
         Counter(train.tolist()),
         Counter(zip(train[:-1].tolist(), train[1:].tolist(), strict=True)),
@@ -110,9 +111,9 @@ def test_baselines_are_cached_beside_the_data(tmp_path, monkeypatch):
     data.write_bytes(b"hello world " * 100)
     train = np.memmap(data, np.uint8, mode="r")
     rows = np.asarray(train[:64]).reshape(2, 32)
-    first = run.cached_baselines(train, rows, str(tmp_path))
-    monkeypatch.setattr(run, "measure_baselines", lambda *a: pytest.fail("recomputed"))
-    assert run.cached_baselines(train, rows, str(tmp_path)) == first
+    first = corpora.cached_baselines(train, rows, str(tmp_path))
+    monkeypatch.setattr(corpora, "measure_baselines", lambda *a: pytest.fail("recomputed"))
+    assert corpora.cached_baselines(train, rows, str(tmp_path)) == first
     assert len(list(tmp_path.glob("baselines-*.json"))) == 1
 
 
@@ -204,19 +205,20 @@ def grid(sweep: dict) -> list[dict]:
 @pytest.mark.parametrize("file", ["sweep.yaml", "sweep_upstream.yaml"])
 def test_every_sweep_point_reaches_the_script_as_a_valid_configuration(file):
     sweep = yaml.safe_load((ROOT / file).read_text())
-    fields = {f.name for f in run.dataclasses.fields(run.Args)}
+    fields = set(flags.hints_of(run.Args))
     assert set(sweep["parameters"]) <= fields, set(sweep["parameters"]) - fields
     for point in grid(sweep):
         args = run.parse_args(agent_command(sweep, point))
         run.check_args(args)
         assert (
-            args.track is True and args.parallel_generations_per_gpu == point["parallel_generations_per_gpu"]
+            args.tracking.track is True
+            and args.parallel_generations_per_gpu == point["parallel_generations_per_gpu"]
         )
         if point.get("algorithm") == "upstream":  # upstream's algorithm, as the file says
-            assert all(getattr(args, k) == v for k, v in run.upstream_preset().items())
+            assert all(flags.value(args, k) == v for k, v in flags.upstream_preset(run.Args).items())
         else:  # egg-jax's defaults for every flag the file does not set
             defaults = run.Args()
-            assert all(getattr(args, k) == getattr(defaults, k) for k in fields - set(point))
+            assert all(flags.value(args, k) == flags.value(defaults, k) for k in fields - set(point))
 
 
 def test_sweep_booleans_reach_the_script():
@@ -243,7 +245,7 @@ def test_sweep_booleans_reach_the_script():
 )
 def test_boolean_forms(argv, clt, fast, track):
     args = run.parse_args(argv)
-    assert (args.use_clt, args.fast_fitness, args.track) == (clt, fast, track)
+    assert (args.use_clt, args.fast_fitness, args.tracking.track) == (clt, fast, track)
 
 
 def test_boolean_with_a_bad_value_is_refused():

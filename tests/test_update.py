@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import es_update
+from helpers import alpha_schedule, es_update, z_thresholds
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
 import run
+from egg import checkpoints, flags
 
 
 def tiny(**overrides):
@@ -145,18 +146,18 @@ def test_normalised_fitness_builds_nothing_larger_than_its_scores():
 
 
 def test_alpha_schedule_is_upstreams():
-    fixed = run.alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
+    fixed = alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
     assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
-    assert run.upstream_preset()["alpha_floor"] == 0
-    decay = run.alpha_schedule(run.Args(alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0))
+    assert flags.upstream_preset(run.Args)["alpha_floor"] == 0
+    decay = alpha_schedule(run.Args(alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0))
     want = [1 / (15 * t / 1000 + 1) for t in range(4001)]  # 1 / ((2**alpha - 1) t / T + 1)
     np.testing.assert_allclose(decay, want, rtol=1e-15)
     assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[4000] == 1 / 61  # no floor after T
     # the schedule depends on the generation only: extending --num_epochs continues it exactly
-    longer = run.alpha_schedule(run.Args(alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
+    longer = alpha_schedule(run.Args(alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
     np.testing.assert_array_equal(
-        run.alpha_schedule(run.Args(alpha=3.0, num_epochs=20, alpha_decay_timestep=7)), longer[:20]
+        alpha_schedule(run.Args(alpha=3.0, num_epochs=20, alpha_decay_timestep=7)), longer[:20]
     )
 
 
@@ -164,22 +165,22 @@ def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
     floor = run.Args().alpha_floor
     assert floor == 1 / 64  # the default, chosen in docs/results.org
     args = run.Args(alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
-    bare = run.alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
-    floored = run.alpha_schedule(args)
+    bare = alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
+    floored = alpha_schedule(args)
     crossing = 4201  # 1 / (15 t / 1000 + 1) < 1/64 from t > 63000 / 15 = 4200 on
     np.testing.assert_array_equal(floored[:crossing], bare[:crossing])
     assert bare[crossing - 1] == floor > bare[crossing]
     assert (floored[crossing:] == floor).all()
-    thresholds = run.z_thresholds(args, run.make_config(args))  # the floor reaches the Z-test too
+    thresholds = z_thresholds(args, run.make_config(args))  # the floor reaches the Z-test too
     assert (thresholds[crossing:] == thresholds[crossing]).all()
     assert (thresholds[:crossing] <= thresholds[crossing]).all()
     fixed = dataclasses.replace(args, alpha=0.01)  # a fixed share is the share, floor or not
-    np.testing.assert_array_equal(run.alpha_schedule(fixed), 0.01)
+    np.testing.assert_array_equal(alpha_schedule(fixed), 0.01)
 
 
 def test_a_level_too_small_for_float64_moves_nothing():
     args = upstream(alpha=60.0, num_epochs=3, alpha_decay_timestep=1, parallel_generations_per_gpu=64)
-    thresholds = run.z_thresholds(args, run.make_config(args))
+    thresholds = z_thresholds(args, run.make_config(args))
     assert thresholds[0].tolist() == [0, 0] and (thresholds[2] == run.INT32_MAX).all()
 
 
@@ -188,7 +189,7 @@ def test_thresholds_use_the_library_normal_quantile():
     matrix_std, vector_std = run.null_std(run.make_config(args))
     z = statistics.NormalDist().inv_cdf(0.975)
     np.testing.assert_array_equal(
-        run.z_thresholds(args, run.make_config(args))[1],
+        z_thresholds(args, run.make_config(args))[1],
         [math.floor(z * matrix_std), math.floor(z * vector_std)],
     )
 
@@ -209,7 +210,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
     _, _, moved = jax.jit(lambda p, n, s, t: es_update(p, {}, n, s, t, c))(
-        params, noise, scores, run.z_thresholds(args, c)[0]
+        params, noise, scores, z_thresholds(args, c)[0]
     )
     total = sum(int(p.size) for p in params.values())
     share = int(np.sum(moved)) / total
@@ -277,7 +278,7 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
         num_epochs=1,
     )
     cfg = run.make_config(args)
-    thresholds = dict(zip(("matrix", "vector"), run.z_thresholds(args, cfg)[0].tolist(), strict=True))
+    thresholds = dict(zip(("matrix", "vector"), z_thresholds(args, cfg)[0].tolist(), strict=True))
     rng = np.random.default_rng(int(fast) + 2 * int(clt) + 4 * rank)
     samples = {"matrix": [], "vector": []}
     for _ in range(6):
@@ -327,7 +328,7 @@ def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(ov
     params = jax.tree.map(np.asarray, run.init_params(c, 0))
     opt = jax.tree.map(np.asarray, run.init_optimizer(c))
     assert opt and all(x.dtype == np.int16 for x in opt.values())
-    shifts, thresholds = run.u_shifts(c), run.z_thresholds(args, c)
+    shifts, thresholds = run.u_shifts(c), z_thresholds(args, c)
     ref_params = {k: v.astype(np.int64) for k, v in params.items()}
     ref_opt = {k: v.astype(np.int64) for k, v in opt.items()}
     longest = 0  # the longest move the reference made
@@ -383,7 +384,7 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
         segments=1,  # the null std of one segment's pairs
     )
     cfg = run.make_config(args)
-    thresholds, shifts = run.z_thresholds(args, cfg)[0], run.u_shifts(cfg)
+    thresholds, shifts = z_thresholds(args, cfg)[0], run.u_shifts(cfg)
     start = run.init_optimizer(cfg)  # m at 0; adam's v at its null mean
     entries, generations = 10_000, 8 << momentum_shift
     rule, kept = {}, {}
@@ -458,7 +459,7 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
     )
     cfg = run.make_config(args)
     rng = np.random.default_rng(int(fast) + 2 * len(fitness))
-    static = run.z_thresholds(args, cfg)[0]
+    static = z_thresholds(args, cfg)[0]
     share = {True: [], False: []}
     for _ in range(4):
         values = (
@@ -482,8 +483,7 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
 
 def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     """--max_step 0 resolves by the scored pairs an update weighs (population / 2 x segments), and
-    a checkpoint records the resolved value, so one from before the flag (one step) resumes
-    unchanged below STEP2_PAIRS."""
+    a checkpoint records the resolved value."""
 
     def resolved(population, max_step=0):  # tiny() is upstream's, whose steps are 1: the default given
         args = tiny(
@@ -491,9 +491,10 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
         )
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
-        return cfg.max_step, run.training_identity(args, cfg, np.zeros(8, np.uint8))["max_step"]
+        return cfg.max_step, checkpoints.training_identity(
+            args, cfg.population, cfg.max_step, np.zeros(8, np.uint8)
+        )["max_step"]
 
     at = 2 * run.STEP2_PAIRS
     assert resolved(at - 2) == (1, 1) and resolved(at) == (2, 2)
     assert resolved(at, max_step=1) == (1, 1) and resolved(8, max_step=3) == (3, 3)
-    assert run.checkpoint_settings({"training": {}})["max_step"] == 1  # before the flag: one step

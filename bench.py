@@ -1,0 +1,456 @@
+"""egg-jax's benchmark and GPU report: run.py's generation step timed, or compiled for a GPU here.
+
+    python bench.py --n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256 --num_epochs 20
+    python bench.py --target h100 --parallel_generations_per_gpu 1024     # no GPU needed
+
+It takes run.py's flags. Without --target it times, on random bytes and side by side, (a) training,
+(b) fitness only, (c) noise-free inference of the same members and tokens and (d) naive full-rank
+ES, with peak memory and the compiled programs' temporaries (and with --replicas, (e) one run of as
+many members). With --target h100 it compiles the same steps for that GPU on any machine
+("deviceless": XLA's whole GPU pipeline on the topology in targets/, no autotuning, nothing timed),
+reads every kernel of the compiled programs (egg/hlo.py) and costs them by a stated roofline model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import run
+from egg import UserError, cluster, hlo
+from egg.flags import flag, flag_given, replace
+
+
+@dataclass(frozen=True)
+class Args(run.Args):
+    target: Literal["", "h100"] = ""
+    """compile for this GPU here, without one, and report its program and a modeled speed instead of
+    timing (targets/ holds its description)"""
+    target_devices: Annotated[int, *flag("[1, inf)")] = 1
+    """with --target: GPUs the population is spread over (the sharded program of one of them)"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Benchmark: generations of each kind timed side by side on random bytes, one table.
+
+# A bare JAX process: import jax, one jitted int8 dot. Its peak RSS is the floor under any JAX
+# program's on the same machine (0.3 GiB to 0.6 GiB seen, by CPU and JAX build). On Linux its own
+# image's peak (VmHWM, KiB): ru_maxrss would also count the resident memory of the process that
+# started it (6.9 GiB once, under a test process that held that much)
+BARE_JAX = """
+import resource, jax, jax.numpy as jnp
+x = jnp.ones((64, 64), jnp.int8)
+jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.int32))(x).block_until_ready()
+try:
+    print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+except (OSError, StopIteration):
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+BENCHMARK_SECONDS = 240.0  # what the benchmark without --num_epochs aims to take, start-up aside
+# members per device of two short full-rank runs that estimate (d)'s cost: it grows faster than
+# the population (at 256D-6L: 0.05 s a member at 16, 0.08 at 64, 0.11 at 256), so it is extrapolated
+# with the growth measured between the two
+FULL_RANK_PROBES = (16, 64)
+
+
+def bare_jax_rss() -> float:
+    """Peak RSS (GiB) of a bare JAX process on this machine and platform (nan if it fails)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # beside us on a GPU
+    if jax.config.jax_platforms:
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms
+    result = subprocess.run([sys.executable, "-c", BARE_JAX], env=env, capture_output=True, text=True)
+    words = result.stdout.split()
+    return int(words[-1]) / 2**20 if result.returncode == 0 and words else math.nan
+
+
+@dataclass
+class Kind:
+    """One kind of generation the benchmark times: its compiled step and what it measured."""
+
+    label: str  # "a training", ...: its letter names it in the ratios
+    cfg: run.Config
+    compiled: hlo.Compiled
+    batch: jax.Array
+    inputs: tuple  # the step's per-replica arguments
+    carry: tuple  # (params, opt, states), donated and returned by every generation
+    seconds: list[float]  # the timed generations'
+    first: float = 0.0  # seconds of its first generation, after compiling
+    memory: float = 0.0  # peak memory after its first generation, GiB
+
+
+def time_generation(kind: Kind, generation: int) -> float:
+    tick = time.time()
+    step = kind.compiled.step(*kind.carry, kind.batch, np.int32(generation), *kind.inputs)
+    *carry, _, _ = jax.block_until_ready(step)
+    kind.carry = tuple(carry)
+    kind.seconds.append(time.time() - tick)
+    return kind.seconds[-1]
+
+
+def prepare_kind(label: str, args: Args, part: str, mesh, rng, notes: list, check_room=False) -> Kind | None:
+    """Compile one kind ahead of time and run its first generation. With `check_room`: None (and a
+    note) where its temporaries would not fit in the memory left (cluster.memory_left; full-rank ES
+    at the default model: every device builds all of its noise)."""
+    cfg = run.mesh_config(args, mesh)
+    replicas = run.replicas_of(args)
+    carry = run.on_mesh(run.init_run(cfg, replicas), mesh)
+    batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
+    batch = cluster.global_array(batch, mesh, run.REPLICATED)
+    inputs = run.replica_inputs(cfg, replicas, 0)
+    compiled = run.compile_generation(cfg, mesh, part, carry, batch, inputs)
+    left, sharing = cluster.memory_left(mesh) if check_room else (math.inf, 1)
+    if (need := compiled.temporaries * 2**20 * sharing) > left:
+        notes.append(
+            f"{label} skipped: its compiled program needs {need / 2**30:.1f} GiB of temporaries on "
+            f"{sharing} device(s), more than the {left / 2**30:.1f} GiB free"
+        )
+        return None
+    kind = Kind(label, cfg, compiled, batch, inputs, carry, [])
+    kind.first = time_generation(kind, 0)
+    kind.seconds.clear()
+    kind.memory = cluster.peak_memory()[0]
+    return kind
+
+
+def full_rank_cost(args: Args, cfg: run.Config, mesh, rng, notes: list) -> tuple[float, dict]:
+    """Seconds one full-rank ES generation is estimated to take at cfg's population, from two short
+    runs (FULL_RANK_PROBES) and the growth measured between them; and {population: seconds}."""
+    probed = {}
+    unit = 2 * max(args.hosts.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
+    probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
+    for members in sorted(probes):
+        changes = dict(rank=0, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0)
+        probe = prepare_kind("probe", dataclasses.replace(args, **changes), "train", mesh, rng, notes)
+        probed[probe.cfg.population] = time_generation(probe, 1)
+        del probe  # its buffers
+    (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
+    growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
+    return t_large * (cfg.population / large) ** growth * cfg.replicas, probed
+
+
+def plan_rounds(args: Args, kinds: list[Kind], mesh, rng, budget: float, left: float, notes: list):
+    """(timed generations of a, b, c (and e), of d) that fit in `left` of `budget` seconds: d given
+    at most half of the time."""
+    tick = time.time()
+    estimate, probed = full_rank_cost(args, kinds[0].cfg, mesh, rng, notes)
+    left -= time.time() - tick
+    full_rank_rounds = min(args.num_epochs, int(left / 2 / estimate) - 1)
+    if full_rank_rounds < 1:
+        notes.append(
+            f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured at "
+            f"population {' and '.join(map(str, probed))}, extrapolated to {kinds[0].cfg.population}); it "
+            f"needs a first and a timed one, more than half of the {left:.0f} s left; give --num_epochs to "
+            "run it"
+        )
+    left -= max(full_rank_rounds + 1, 0) * estimate
+    rounds = max(3, min(args.num_epochs, int(left / sum(kind.first for kind in kinds))))
+    notes.append(
+        f"no --num_epochs: timed {rounds} generation(s) of {', '.join(k.label[0] for k in kinds)}"
+        + (f" and {full_rank_rounds} of d" if full_rank_rounds >= 1 else "")
+        + f", what fits in about {budget:.0f} s; give --num_epochs N to time N of each"
+    )
+    return rounds, full_rank_rounds
+
+
+def print_table(args: Args, kinds: list[Kind], rounds: int, mesh) -> dict[str, float]:
+    """The benchmark's table; returns the tokens/s of each kind timed, by letter."""
+    device, memory_kind = jax.devices()[0], cluster.peak_memory()[1]
+    cfg = kinds[0].cfg
+    model = f"model {args.n_embd}D-{args.n_layer}L ({run.num_parameters(cfg):,} parameters)"
+    members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
+    members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
+    turns = [k.label[0] for k in kinds if not k.label.startswith("d")]
+    timed = f"median of {rounds} generations each ({', '.join(turns)} taking turns)"
+    cpus = args.hosts.cpu_devices
+    split = f" (one CPU split into {cpus})" if cpus > 1 else ""
+    print(
+        f"device: {mesh.size} x {device.platform} ({device.device_kind}){split}; {model}; {members}; {timed}"
+    )
+    memory_header = f"peak {memory_kind} GiB"
+    print(
+        f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18} {'temp MiB':>9}"
+    )
+    rate = {}
+    for kind in kinds:
+        seconds = float(np.median(kind.seconds))
+        rate[kind.label[0]] = kind.cfg.population * kind.cfg.replicas * kind.cfg.tokens / seconds
+        print(
+            f"{kind.label:18} {rate[kind.label[0]]:12,.0f} {seconds:13.4f} {kind.compiled.seconds:10.1f} "
+            f"{kind.memory:18.2f} {kind.compiled.temporaries:9,.1f}"
+        )
+    return rate
+
+
+def print_ratios(kinds: list[Kind], rate: dict[str, float], bare: float, notes: list) -> None:
+    """The benchmark's ratios and notes under its table."""
+    cfg, memory_kind = kinds[0].cfg, cluster.peak_memory()[1]
+    versus = f"low-rank / full-rank ES (a/d): {rate['a'] / rate['d']:.1f}x; " if "d" in rate else ""
+    print(
+        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; {versus}update share of a generation: "
+        f"{1 - rate['a'] / rate['b']:.1%}; peak {memory_kind} of training {kinds[0].memory:.2f} GiB (memory "
+        "column: the process's peak so far; temp: the compiled program's own temporaries)"
+    )
+    print(
+        f"peak RSS: this process {cluster.peak_rss():.2f} GiB, a bare JAX process on this machine (import, "
+        f"one jitted int8 dot) {bare:.2f} GiB"
+    )
+    if "e" in rate:
+        print(
+            f"{cfg.replicas} replicas of population {cfg.population} / one run of "
+            f"{cfg.replicas * cfg.population} (a/e): {rate['a'] / rate['e']:.1%}"
+        )
+    for note in notes:
+        print(f"note: {note}")
+
+
+def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
+    """Time generations of each kind on random bytes and print one table. Each kind is compiled and
+    run once first; then a, b, c (and e) take turns, one generation each, so that a slow spell of
+    the machine hits them alike, and d runs alone, last (its large buffers, allocated and freed,
+    slow whatever follows). Without `budget`: --num_epochs timed generations of every kind. With
+    `budget` (seconds; main gives BENCHMARK_SECONDS when --num_epochs is not on the command line):
+    as many as fit, at least 3, and d only if its cost fits (plan_rounds); what is shortened or
+    skipped is printed with the reason. Returns the tokens/s of each kind timed, by letter."""
+    run.check_args(args)
+    started = time.time()
+    args, mesh = run.start_devices(args)
+    rng, bare, notes = np.random.default_rng(args.seed), bare_jax_rss(), []
+    parts = (("a training", "train"), ("b fitness only", "fitness"), ("c inference", "inference"))
+    kinds = [prepare_kind(label, args, part, mesh, rng, notes) for label, part in parts]
+    if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
+        whole = run.single_run(
+            args, parallel_generations_per_gpu=args.parallel_generations_per_gpu * args.replicas
+        )
+        label = f"e one run of {run.make_config(whole, mesh.size).population}"
+        kinds.append(prepare_kind(label, whole, "train", mesh, rng, notes))
+    rounds, full_rank_rounds = args.num_epochs, args.num_epochs
+    if budget is not None:
+        left = budget - (time.time() - started)
+        rounds, full_rank_rounds = plan_rounds(args, kinds, mesh, rng, budget, left, notes)
+    turns = list(kinds)
+    if full_rank_rounds >= 1:
+        full_rank = dataclasses.replace(args, rank=0)
+        full = prepare_kind("d full-rank ES", full_rank, "train", mesh, rng, notes, check_room=True)
+        kinds += [full] if full else []
+    for group, count in ((turns, rounds), (kinds[len(turns) :], full_rank_rounds)):
+        for generation in range(1, 1 + count):
+            for kind in group:
+                time_generation(kind, generation)
+    rate = print_table(args, kinds, rounds, mesh)
+    print_ratios(kinds, rate, bare, notes)
+    return rate
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU target: the program a GPU would run, compiled here without one, its kernels read from the
+# compiled HLO (egg/hlo.py) and costed by a stated model. The generation step scans a member's
+# segments, each segment's bytes (run.forward) and, where XLA runs the products, the layers
+# (run.token_logits): a kernel as deep as the bytes' scan runs for every byte, one as deep as the
+# layers' for every byte and layer.
+
+TARGET_FILES = {"h100": "targets/h100_sxm.txtpb"}  # GpuTargetConfigProto text, beside run.py
+# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC); 3 us a
+# kernel is the order of back-to-back small kernels on any recent GPU
+ROOFLINES = {"h100": hlo.Roofline("H100 SXM", 3.35e12, 1979e12 / 2, 3e-6)}
+BYTES_DEPTH, LAYERS_DEPTH = 2, 3  # the scans around a kernel that runs every byte, every byte and layer
+LOOPS = ("once", "per segment", "per byte", "per byte and layer")
+
+
+def target_mesh(target: str, devices: int) -> jax.sharding.Mesh:
+    """A mesh of `devices` GPUs of the target, for compiling only (nothing can run on it)."""
+    from jax.experimental import topologies
+
+    text = (Path(__file__).resolve().parent / TARGET_FILES[target]).read_text()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=text, topology=f"1x1x{devices}"
+        )
+    except Exception as error:  # JAX without its CUDA plugin (jax[cuda12]): no GPU compiler here
+        raise UserError(
+            f"--target {target}: JAX cannot compile for it here ({str(error).splitlines()[0]})"
+        ) from None
+    return cluster.population_mesh(run.POP, topology.devices)
+
+
+def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
+    """The generation step's arguments as shapes with their shardings on the mesh (no arrays)."""
+    replicas = run.replicas_of(args)
+    params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, replicas))
+    everywhere, spread = (jax.sharding.NamedSharding(mesh, spec) for spec in (run.REPLICATED, run.SPREAD))
+
+    def shaped(x, sharding=everywhere):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    batch = jax.ShapeDtypeStruct(
+        (cfg.population // cfg.group_size, cfg.tokens + 1), jnp.uint8, sharding=everywhere
+    )
+    generation = jax.ShapeDtypeStruct((), jnp.int32, sharding=everywhere)
+    inputs = run.replica_inputs(cfg, replicas, 0)
+    return (
+        *jax.tree.map(shaped, (params, opt)),
+        shaped(states, spread),
+        batch,
+        generation,
+        *map(shaped, inputs),
+    )
+
+
+def pallas_costs(jaxpr) -> dict:
+    """{egg/hlo.py's signature: (bytes, MACs)} of every Pallas kernel in a traced program, as each
+    declares its cost (Pallas's CostEstimate: 2 operations a MAC)."""
+    found = {}
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                cost = eqn.params["cost_estimate"]
+                shapes = [v.aval.shape for v in eqn.invars], [v.aval.shape for v in eqn.outvars]
+                found[hlo.signature(*shapes)] = (cost.bytes_accessed, cost.flops // 2)
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)  # a closed jaxpr's, or a jaxpr itself
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+    return found
+
+
+@contextmanager
+def without_compilation_cache():
+    """JAX's persistent cache cannot load a program compiled without its device back: keep such
+    programs out of it (JAX decides once whether it uses the cache; a minimum compile time no
+    compilation reaches keeps the entries from being written either way)."""
+    before = jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+def compile_target(args: Args, part: str):
+    """(compiled program, its kernels, config, compile seconds) of a generation step for --target."""
+    mesh = target_mesh(args.target, args.target_devices)
+    cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
+    run.check_bounds(cfg)
+    tick = time.time()
+    with without_compilation_cache():
+        traced = run.make_generation_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
+        compiled = traced.lower().compile()
+    kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
+    return compiled, kernels, cfg, time.time() - tick
+
+
+def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
+    """(training, inference) bytes a token costs each member at the least (docs/design.org's
+    roofline): the weights once per device's members, every product's int8 input and output, the
+    state and the residual stream (22 n a layer, 2 n + 2 x 256 around them); in training also half
+    its pair's rank-r factors and its own perturbed vectors."""
+    n, layers, members = cfg.n_embd, cfg.n_layer, cfg.population // cfg.devices
+    weights = run.num_parameters(cfg) / members
+    activations = 22 * n * layers + 2 * n + 2 * run.VOCAB
+    # one pair's A and B: 4 n x n and 2 n x 4n matrices a layer; a row of the embedding's A, its B, the head's
+    factors = cfg.rank * (layers * (4 * 2 * n + 2 * 5 * n) + (1 + n) + (run.VOCAB + n))
+    vectors = (4 * layers + 1) * n
+    return weights + activations + factors / 2 + vectors, weights + activations
+
+
+def describe_program(kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call: int) -> dict:
+    """What a compiled generation's kernels add up to (the figures target_report prints)."""
+    members = cfg.population // cfg.devices * cfg.replicas
+    every_byte = [k for k in kernels if k.depth >= BYTES_DEPTH]
+    kinds = {}
+    for k in kernels:
+        kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
+    return {
+        "kernels": sum(k.runs for k in kernels),
+        "kinds": kinds,
+        "per_token": sum(k.runs for k in every_byte) / cfg.tokens,
+        "per_layer": sum(k.runs for k in kernels if k.depth >= LAYERS_DEPTH) / (cfg.tokens * cfg.n_layer),
+        "bytes_per_token_member": sum(k.runs * k.bytes for k in every_byte) / (cfg.tokens * members),
+        "tokens_per_call": tokens_per_call,
+    }
+
+
+def print_target_report(args: Args, cfg: run.Config, roofline, seconds: float, kernels, figures) -> None:
+    t, i = figures["training"], figures["inference"]
+    least = roofline_bytes(cfg)
+    best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
+    largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
+    kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
+    gemms = sorted({(k.shapes, LOOPS[min(k.depth, 3)]) for k in kernels if k.kind in ("gemm", "pallas")})
+    in_layers = f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
+    lines = [
+        f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's GPU "
+        f"pipeline, untuned GEMM tiles); model {args.n_embd}D-{args.n_layer}L; population "
+        f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in {seconds:.1f} s",
+        f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",
+        "largest kernels by bytes: " + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
+        f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
+        f"kernels per token: {t['per_token']:.0f} {in_layers}",
+        "GEMMs (XLA's and the product kernel's): "
+        + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
+        "collectives per generation: "
+        + (", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"),
+        f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "
+        f"inference {i['bytes_per_token_member']:,.0f} B (roofline {least[1]:,.0f} B)",
+        f"modeled training tokens/s: {t['tokens_per_s']:,.0f} ({t['seconds'] * 1e3:,.2f} ms a generation, "
+        f"modeled; {t['tokens_per_s'] / best[0]:.0%} of the roofline's {best[0]:,.0f})",
+        f"modeled inference tokens/s: {i['tokens_per_s']:,.0f} ({i['seconds'] * 1e3:,.2f} ms, modeled; "
+        f"roofline {best[1]:,.0f}); training / inference: {t['tokens_per_s'] / i['tokens_per_s']:.0%}",
+        f"cost model: each kernel max(bytes / {roofline.hbm / 1e12:.2f} TB/s, MACs / "
+        f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
+    ]
+    print("\n".join(lines))
+
+
+def target_report(args: Args) -> dict:
+    """--target: compile the training and inference steps for the target GPU(s) and print what the
+    compiled programs show and what the cost model says they take. Returns the figures."""
+    run.check_args(args)
+    roofline = ROOFLINES[args.target]
+    train, train_kernels, cfg, seconds = compile_target(args, "train")
+    kernels = {"training": train_kernels, "inference": compile_target(args, "inference")[1]}
+    tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
+    figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
+    for part, found in kernels.items():
+        figures[part]["seconds"] = hlo.modeled_seconds(found, roofline)
+        figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
+    figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    figures["collectives"] = hlo.collective_traffic(train.as_text())
+    print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
+    return figures | {"cfg": cfg, "kernels": kernels}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = run.parse_args(argv, Args)
+        args = run.prepare_jax(args, "cpu" if args.target else "")  # --target: nothing runs on it
+        if args.target:
+            target_report(args)
+        else:
+            benchmark(args, None if flag_given(argv, "num_epochs") else BENCHMARK_SECONDS)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The tools beside run.py: everything a training run needs that is not the algorithm.
+
+    flags.py        what each flag allows (Facts), the command line's forms, the upstream preset
+    files.py        files written whole or not at all (a hidden temporary renamed into place)
+    corpora.py      training bytes: minipile, stdlib, files and folders, cached; the baselines
+    checkpoints.py  checkpoint folders: written atomically, kept, found, read back and checked
+    cluster.py      devices, processes and signals: the mesh, host copies, the CPU split, memory
+    supervisor.py   a several-process run's launcher: the lost-process line, no orphans
+    record.py       metrics.jsonl and Weights & Biases; the replicas' metric names
+    diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
+    pbt.py          population-based training: exploit and explore
+    hlo.py          a compiled program's text read once: collectives, kernels and their cost
+
+Nothing here imports run.py: the dependencies point from run.py (and the scripts) to this package.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2, no traceback."""

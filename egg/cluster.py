@@ -1,0 +1,267 @@
+"""Devices, processes and signals: the platform and the CPU split chosen before JAX starts, the
+processes of a run joined, one mesh over every device, arrays between the host and the mesh, the
+memory a program may use, and the stop signals every process must agree on."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import jax
+import numpy as np
+
+from egg import UserError
+from egg.flags import flag
+
+
+@dataclass(frozen=True)
+class Flags:
+    coord_addr: str = ""
+    """address:port of process 0's coordinator, for a multi-host run started by hand"""
+    num_procs: Annotated[int, *flag("[1, inf)")] = 1
+    """number of processes of a multi-host run started by hand"""
+    proc_id: Annotated[int, *flag("[0, inf)")] = 0
+    """index of this process in a multi-host run started by hand (below --num_procs)"""
+    heartbeat_timeout: Annotated[int, *flag("[2, inf)")] = 30
+    """several processes: seconds without a heartbeat after which a process counts as lost, and the
+    others stop (exit code 75) with its name, the newest checkpoint and the command that resumes.
+    Heartbeats come from a thread of JAX's own, so a process that is slow but alive (compiling,
+    validating, saving) keeps sending them"""
+    cpu_devices: Annotated[int, *flag("[0, inf)", why="0: one per core")] = 0
+    """on the CPU: the JAX devices this host is split into, each evaluating its share of the
+    population on its own (0: one per core, fewer where the share would not hold whole groups; 1
+    with --rank 0 or several processes; 1: one device, whose products XLA spreads over the
+    cores). The CPU still counts as one device of --parallel_generations_per_gpu: the population,
+    and every result, stay the same. Left at 1 when XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device
+    count (each device then counts as one)"""
+
+
+# ------------------------------------------------------------------------------------------------
+# The platform and the processes, set before JAX starts.
+
+
+class QuietPluginErrors(logging.Filter):
+    """Drops JAX's traceback of an accelerator plugin that cannot start on this machine (jax[cuda12]
+    on a machine with no NVIDIA GPU logs ~10 lines of it, then uses the CPU): JAX's own choice of
+    platform stands, without the noise. Kept where an NVIDIA device is present: there it tells why
+    the GPU is not used. The last reason is kept for a --platform that cannot start."""
+
+    seen: list[str] = []  # the reasons plugins gave, last last
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Jax plugin configuration error"):
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            QuietPluginErrors.seen.append(f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
+        return Path("/dev/nvidiactl").exists()
+
+
+def select_platform(platform: str) -> None:
+    """--platform if given (else JAX_PLATFORMS, else JAX's choice: its accelerator, the CPU when
+    none is visible)."""
+    if platform:
+        jax.config.update("jax_platforms", platform)
+    logging.getLogger("jax._src.xla_bridge").addFilter(QuietPluginErrors())
+
+
+def enable_compilation_cache(dir_path: str) -> None:
+    """Keep compiled programs in <dir_path>/jax_cache (unless JAX_COMPILATION_CACHE_DIR says
+    otherwise), so a second run of the same configuration starts without compiling."""
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(Path(dir_path) / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def several_processes(coord_addr: str, num_procs: int) -> bool:
+    """Whether this process is one of several: given by hand, or a SLURM job of several tasks."""
+    return bool(coord_addr) or num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def init_distributed(coord_addr: str, num_procs: int, proc_id: int, heartbeat_timeout: int) -> None:
+    """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
+    jax.distributed itself (SLURM with several tasks, and the other clusters it knows). A process
+    silent for heartbeat_timeout seconds counts as lost, and JAX terminates every other one (the
+    supervisor turns that into one line)."""
+    if not several_processes(coord_addr, num_procs):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices; else unused
+    timeout = dict(heartbeat_timeout_seconds=heartbeat_timeout)
+    if coord_addr or num_procs > 1:
+        jax.distributed.initialize(coord_addr, num_procs, proc_id, **timeout)
+    else:
+        jax.distributed.initialize(**timeout)
+
+
+def cpu_share_fits(members: int, group_size: int, perturbations: int, shards: int) -> bool:
+    """Whether each of `shards` devices' share of the members per device holds whole groups (so
+    whole antithetic pairs) and, with perturbations, whole blocks of distinct noises."""
+    share = members // shards
+    fits = members > 0 and group_size > 0 and members % shards == 0 and share % group_size == 0
+    return fits and (perturbations <= 0 or share % perturbations == 0)
+
+
+def split_cpu(given: int, platform: str, members: int, group_size: int, perturbations: int, one: bool) -> int:
+    """The JAX devices the host's CPU is split into (--cpu_devices as used; 1: not split), set before
+    JAX starts. XLA spreads each product of a single CPU device over the cores, which for this
+    model's small int8 products costs more than it gains (docs/design.org, "Many devices and
+    hosts"). Not split: on another platform; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device
+    count; with `one` (several processes, which must split alike, or full-rank noise, whose every
+    device builds all of it) unless given. Once JAX runs in this process its CPU devices stay as
+    the first call split them."""
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    forced = forced or "JAX_NUM_CPU_DEVICES" in os.environ
+    if (platform or os.environ.get("JAX_PLATFORMS") or "cpu") != "cpu" or forced:
+        if given > 1:
+            where = "XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count" if forced else "not on the CPU"
+            raise UserError(f"--cpu_devices {given}: {where}; leave --cpu_devices out")
+        return 1
+    if given and not cpu_share_fits(members, group_size, perturbations, given):
+        raise UserError(
+            f"--cpu_devices {given} must split --parallel_generations_per_gpu {members} into equal shares, "
+            f"each a multiple of --group_size {group_size} (and of --num_perturbations, if given)"
+        )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    fits = [s for s in range(1, cores + 1) if cpu_share_fits(members, group_size, perturbations, s)]
+    shards = given or (1 if one else max(fits, default=1))
+    try:
+        jax.config.update("jax_num_cpu_devices", shards)
+    except RuntimeError:  # JAX already runs in this process
+        running = len(jax.devices("cpu"))
+        if given and given != running:
+            raise UserError(f"--cpu_devices {given}: JAX already runs on {running} CPU device(s)") from None
+        shards = running
+    return shards
+
+
+# ------------------------------------------------------------------------------------------------
+# The mesh and arrays on it.
+
+
+def population_mesh(axis: str, devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh named `axis` over every device of every process (or the given ones). The first
+    call starts JAX's platform: one that cannot start (a --platform this machine lacks) is refused
+    in one line."""
+    if devices is None:
+        try:
+            devices = jax.devices()
+        except (RuntimeError, AssertionError) as error:  # JAX asserts where a plugin failed to start
+            reason = (QuietPluginErrors.seen or [str(error) or "no device"])[-1].splitlines()[0]
+            raise UserError(f"JAX cannot start platform {jax.config.jax_platforms}: {reason}") from None
+    return jax.sharding.Mesh(np.array(devices), (axis,))
+
+
+def global_array(x: np.ndarray, mesh, spec) -> jax.Array:
+    """A host array, the same on every process, as a global array with the given sharding."""
+    x = np.asarray(x)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host (a collective if it spans processes)."""
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def local_copy(x: jax.Array, axis: int) -> np.ndarray:
+    """This process's part of an array sharded over the population, its `axis` (no communication)."""
+    shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
+    return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory.
+
+
+def peak_rss() -> float:
+    """This process's peak resident set size, GiB."""
+    import resource  # POSIX only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def peak_memory() -> tuple[float, str]:
+    """Peak device memory on an accelerator, else the process's peak resident set size: (GiB, what)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 2**30, "device memory"
+    return peak_rss(), "RSS"
+
+
+def host_memory_left() -> float:
+    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is unknown)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return math.inf
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), math.inf)
+
+
+def memory_left(mesh) -> tuple[float, int]:
+    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
+    device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
+    return host_memory_left(), len(mesh.local_devices)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stop signals.
+
+
+class StopSignal:
+    """Turns SIGTERM / SIGINT into a request to save and stop after the generation in flight."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_requested(stop: StopSignal) -> bool:
+    """Whether any process received a stop signal: all processes must stop at the same generation
+    (a one-byte gather, only in multi-process runs: a sync point)."""
+    if jax.process_count() == 1:
+        return stop.received is not None
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
+    return bool(np.max(flags))
+
+
+@contextmanager
+def awaiting_jax_verdict(heartbeat_timeout: int):
+    """In a run of several processes, an error inside a generation is most often a collective whose
+    peer died (gloo: "connection reset by peer"): before raising it, wait for JAX to name the lost
+    process, which it does by terminating this one within the heartbeat timeout (the supervisor
+    reports it). An error that JAX does not follow up is raised as it was."""
+    try:
+        yield
+    except Exception:
+        if jax.process_count() > 1:
+            time.sleep(heartbeat_timeout + 10)
+        raise

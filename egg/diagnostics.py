@@ -1,0 +1,80 @@
+"""Diagnostics: the int8 activations' and parameters' health (run.py's --log_every, --debug), from
+the activations of a noise-free forward over a few validation rows and the parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import numpy as np
+
+from egg.flags import flag
+
+
+@dataclass(frozen=True)
+class Flags:
+    log_every: Annotated[int, *flag("[0, inf)")] = 0
+    """generations between integer-health diagnostics, logged as diag/... (0: none)"""
+    debug: bool = False
+    """print the diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
+
+
+LAYER_TENSORS = ("gate", "candidate", "state", "mlp_hidden", "residual")  # (rows, bytes, n_layer, width)
+
+
+def tensor_stats(values: np.ndarray, limit: int) -> dict[str, float]:
+    """Mean, standard deviation, entropy of the value histogram in bits (0 to 8) and the share
+    saturated (at +-limit, the edges of the int8 range run.py keeps), of an int8 tensor."""
+    values = np.asarray(values).ravel().astype(np.int64)
+    counts = np.bincount(values + 128, minlength=256)
+    p = counts[counts > 0] / values.size
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "entropy": float(-(p * np.log2(p)).sum()),
+        "saturated": float(np.mean(np.abs(values) == limit)),
+    }
+
+
+def diagnostics(seen: dict, params: dict, moved: dict[str, float], limit: int) -> dict[str, float]:
+    """diag/ metrics: activation statistics per tensor and layer (`seen`: the embedding and logits
+    (rows, bytes, width), the LAYER_TENSORS with a layer axis); per parameter the share at +-127
+    and the share that moved in the last generation (`moved`, by name); saturated: at +-limit."""
+    out = {}
+    for name in ("embedding", "logits"):
+        out.update({f"diag/{name}/{k}": v for k, v in tensor_stats(seen[name], limit).items()})
+    for name in LAYER_TENSORS:
+        for layer in range(np.shape(seen[name])[2]):
+            stats = tensor_stats(np.asarray(seen[name])[:, :, layer], limit)
+            out.update({f"diag/{name}{layer}/{k}": v for k, v in stats.items()})
+    for name, p in params.items():
+        out[f"diag/param_{name}/saturated"] = float(np.mean(np.abs(np.asarray(p)) == limit))
+        out[f"diag/param_{name}/moved"] = float(moved[name])
+    return out
+
+
+def diagnostics_table(values: dict[str, float]) -> str:
+    """A compact table of the diag/ metrics, coloured: red where values saturate (> 5% at +-127)
+    or collapse (entropy < 2 bits), yellow at > 1% or < 4 bits, green otherwise."""
+    rows = {}
+    for key, value in values.items():
+        _, tensor, stat = key.split("/")
+        rows.setdefault(tensor, {})[stat] = value
+
+    def colour(text, saturated, entropy):
+        code = 31 if saturated > 0.05 or entropy < 2 else 33 if saturated > 0.01 or entropy < 4 else 32
+        return f"\033[{code}m{text}\033[0m"
+
+    lines = [f"{'tensor':14} {'mean':>8} {'std':>8} {'entropy':>8} {'sat%':>6} {'moved%':>7}"]
+    for tensor, stats in rows.items():
+        if "entropy" in stats:
+            text = (
+                f"{tensor:14} {stats['mean']:8.2f} {stats['std']:8.2f} {stats['entropy']:8.2f} "
+                f"{100 * stats['saturated']:6.2f} {'':>7}"
+            )
+            lines.append(colour(text, stats["saturated"], stats["entropy"]))
+        else:
+            blank = f"{'':>8} " * 3
+            text = f"{tensor:14} {blank}{100 * stats['saturated']:6.2f} {100 * stats['moved']:7.3f}"
+            lines.append(colour(text, stats["saturated"], 8.0))
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Flags: what run.py knows of each flag besides its type, default and help (its Facts), written once
+beside the flag; the range checks, the --algorithm upstream preset, --help's hints and the
+comparison of a resumed run's settings derive from them. And the command line in the forms W&B
+sweep agents pass.
+
+run.Args holds the algorithm's flags, and each tool's flags as a group: a field whose type is the
+tool's own flags dataclass (egg/checkpoints.py's Flags, ...), shown apart in --help; every flag is
+still --name on the command line. Here a flag is known by its name alone, wherever it sits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from functools import cache
+from typing import Annotated, Any, NamedTuple
+
+import tyro
+
+from egg import UserError
+
+
+class Facts(NamedTuple):
+    """What run.py knows of a flag besides its type, default and help."""
+
+    low: float = -math.inf  # the range of values allowed, low and high...
+    high: float = math.inf
+    open: tuple[bool, bool] = (False, False)  # ...and whether each end itself is excluded
+    why: str = ""  # what the range protects, said when a value outside it is refused
+    training: bool = False  # changes what a generation computes: compared when a run resumes
+    upstream: Any = None  # upstream nano-egg's value, where it differs from ours (--algorithm upstream)
+    acts_if: tuple[str, tuple] | None = None  # (flag, values): it acts only where that flag holds one
+
+    def ranged(self) -> bool:
+        return (self.low, self.high) != (-math.inf, math.inf)
+
+    def allowed(self) -> str:
+        """The range in words: 'positive', '>= 0', '> 0', 'in [0, 6]', 'in (0, 0.5)', ..."""
+        if self.high < math.inf:
+            return f"in {'(['[not self.open[0]]}{self.low:g}, {self.high:g}{')]'[not self.open[1]]}"
+        if (self.low, self.open[0]) == (1, False):
+            return "positive"
+        return f"{'>' if self.open[0] else '>='} {self.low:g}"
+
+    def admits(self, value) -> bool:
+        above = value > self.low if self.open[0] else value >= self.low
+        return above and (value < self.high if self.open[1] else value <= self.high)
+
+
+def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
+    """A flag's Annotated metadata (`Annotated[int, *flag("[0, 6]", training=True)]`): its Facts,
+    the range written as an interval, and --help's hint with the range and upstream's value."""
+    if interval:
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        facts.update(low=low, high=high, open=(interval[0] == "(", interval[-1] == ")"))
+    known = Facts(**facts)
+    hint = "".join(
+        [
+            f"; {known.allowed()}" if known.ranged() else "",
+            "" if known.upstream is None else f"; upstream: {known.upstream}",
+        ]
+    )
+    return known, tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}{hint})")
+
+
+def unwrapped(hint):
+    """A type hint without its Annotated metadata."""
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+
+
+def group(hint) -> type | None:
+    """The flags dataclass a field's type hint names (a group of flags), else None."""
+    base = unwrapped(hint)
+    return base if dataclasses.is_dataclass(base) else None
+
+
+@cache
+def hints_of(cls: type) -> dict[str, tuple[str, Any]]:
+    """{flag: (its group's field, '' at the top; its type hint with its metadata)} of every flag."""
+    found = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        inner = group(hint)
+        found.update({k: (name, h) for k, (_, h) in hints_of(inner).items()} if inner else {name: ("", hint)})
+    return found
+
+
+@cache
+def facts_of(cls: type) -> dict[str, Facts]:
+    """{flag: its Facts} for every flag of a flags dataclass (Facts() where it has none)."""
+    found = {
+        name: [m for m in getattr(h, "__metadata__", ()) if isinstance(m, Facts)]
+        for name, (_, h) in hints_of(cls).items()
+    }
+    return {name: facts[0] if facts else Facts() for name, facts in found.items()}
+
+
+def value(args, name: str):
+    """A flag's value, wherever it sits."""
+    where = hints_of(type(args))[name][0]
+    return getattr(getattr(args, where) if where else args, name)
+
+
+def flat(args) -> dict[str, Any]:
+    """{flag: value} of every flag."""
+    return {name: value(args, name) for name in hints_of(type(args))}
+
+
+def replace(args, **changes):
+    """The flags with these changed, each in its group."""
+    where = hints_of(type(args))
+    top = {k: v for k, v in changes.items() if not where[k][0]}
+    for name in {where[k][0] for k in changes} - {""}:
+        inner = {k: v for k, v in changes.items() if where[k][0] == name}
+        top[name] = dataclasses.replace(getattr(args, name), **inner)
+    return dataclasses.replace(args, **top)
+
+
+def check_range(cls: type, name: str, given, which: str = "") -> None:
+    """Refuse a value outside the flag's range with one line naming it; `which` names a replica."""
+    facts = facts_of(cls)[name]
+    if not facts.admits(given):
+        why = f": {facts.why}" if facts.why else ""
+        raise UserError(f"--{name} must be {facts.allowed()}, got {given}{which}{why}")
+
+
+def check_ranges(args) -> None:
+    """check_range of every flag that has a range."""
+    for name, facts in facts_of(type(args)).items():
+        if facts.ranged():
+            check_range(type(args), name, value(args, name))
+
+
+def acts(cls: type, settings: dict, name: str) -> bool:
+    """Whether a flag acts in these settings (Facts.acts_if: e.g. --momentum_shift only under
+    --optimizer momentum or adam). A setting that is no flag always acts."""
+    condition = facts_of(cls)[name].acts_if if name in facts_of(cls) else None
+    return condition is None or settings.get(condition[0]) in condition[1]
+
+
+def flag_given(argv: list[str], name: str) -> bool:
+    """Whether --name (spelt with underscores or dashes, with or without =value) is in argv."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(word.partition("=")[0] in spellings for word in argv)
+
+
+def tyro_booleans(argv: list[str], booleans: set[str]) -> list[str]:
+    """argv with --flag=True|False and --flag True|False (the forms W&B sweep agents pass with
+    ${args}) rewritten as tyro's --flag / --no-flag."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        name, equals, value = word[2:].partition("=")
+        if word.startswith("--") and name.replace("-", "_") in booleans:
+            if not equals and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                equals, value = "=", argv[i + 1]
+                i += 1
+            if equals:
+                if value.lower() not in ("true", "false"):
+                    raise UserError(f"--{name} takes True or False, got {value!r}")
+                word = f"--{name}" if value.lower() == "true" else f"--no-{name}"
+        out.append(word)
+        i += 1
+    return out
+
+
+def upstream_preset(cls: type) -> dict[str, Any]:
+    """--algorithm upstream: upstream nano-egg's value of every flag whose default here differs."""
+    return {name: f.upstream for name, f in facts_of(cls).items() if f.upstream is not None}
+
+
+def parse(cls: type, argv: list[str]):
+    """The flags dataclass `cls` from the command line: tyro's forms and the sweeps' booleans; under
+    --algorithm upstream every flag with an upstream value set to it unless given."""
+    booleans = {
+        name for name, (_, hint) in hints_of(cls).items() if hint is bool or bool in typing.get_args(hint)
+    }
+    out = tyro_booleans(argv, booleans)
+    args = tyro.cli(cls, args=out, use_underscores=True)  # --help spells flags as upstream does
+    if getattr(args, "algorithm", "") == "upstream":
+        preset = upstream_preset(cls)
+        given = {k for k in preset if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))}
+        args = replace(args, **{k: v for k, v in preset.items() if k not in given})
+    return args

@@ -1,0 +1,223 @@
+"""A compiled program's HLO text, read in one place: its computations and instructions; the
+collectives and the bytes each device receives through them; and for a GPU program every kernel it
+launches, how often (through the loops' known trip counts), the bytes it moves and the int8
+multiply-accumulates it does, costed by a stated roofline model."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any, NamedTuple
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8}
+DTYPE_BYTES |= {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+# opcodes that launch nothing on a GPU (bookkeeping, aliases, loop control, the second half of async pairs)
+NO_KERNEL = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done",
+    "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "async-update",
+}  # fmt: skip
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel compiled for a GPU
+
+
+class Instruction(NamedTuple):
+    name: str
+    shapes: list  # [(dtype, dims)] of its result (several for a tuple)
+    opcode: str
+    operands: list  # names
+    attributes: str  # everything after the operands
+
+
+def hlo_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [
+        (t, tuple(int(d) for d in dims.split(",") if d))
+        for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text)
+    ]
+
+
+def shape_text(shape: tuple[str, tuple[int, ...]]) -> str:
+    """An HLO shape as HLO writes it: s8[1024,256]."""
+    return f"{shape[0]}[{','.join(map(str, shape[1]))}]"
+
+
+def hlo_bytes(shapes) -> int:
+    return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in shapes)
+
+
+def computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
+    """{computation: its instructions} of a compiled module's text, and the entry computation's name."""
+    found, current, entry = {}, None, ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            current, found[head.group(2)] = head.group(2), []
+            entry = head.group(2) if head.group(1) else entry
+        elif current and (match := INSTRUCTION.match(line)):
+            rest, depth, end = match.group(4), 1, 0
+            while depth and end < len(rest):  # the operands end at the matching parenthesis
+                depth += {"(": 1, ")": -1}.get(rest[end], 0)
+                end += 1
+            operands = re.findall(r"%([\w.\-]+)", rest[: end - 1])
+            shapes = hlo_shapes(match.group(2))
+            found[current].append(Instruction(match.group(1), shapes, match.group(3), operands, rest[end:]))
+    return found, entry
+
+
+def collective_traffic(hlo: str) -> list[tuple[str, int]]:
+    """(operation, bytes each device receives) of every collective in a compiled program: its
+    result (an async start returns (operand, result): the result)."""
+    found = []
+    for body in computations(hlo)[0].values():
+        for x in body:
+            op = x.opcode.removesuffix("-start")
+            if op in COLLECTIVE_OPS:
+                found.append((op, hlo_bytes(x.shapes[-1:] if x.opcode.endswith("-start") else x.shapes)))
+    return found
+
+
+class Compiled(NamedTuple):
+    """A program compiled ahead of time, and what it shows before it runs."""
+
+    step: Any  # the compiled program
+    seconds: float  # compile time
+    temporaries: float  # MiB of the program's own temporaries on a device
+    traffic: int  # bytes each device receives through collectives per call
+
+
+def compile_now(lowered) -> Compiled:
+    """A lowered program compiled now, with its compile time, temporaries and collectives."""
+    tick = time.time()
+    step = lowered.compile()
+    seconds, memory = time.time() - tick, step.memory_analysis()
+    traffic = sum(size for _, size in collective_traffic(step.as_text()))
+    return Compiled(step, seconds, getattr(memory, "temp_size_in_bytes", 0) / 2**20, traffic)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels of a GPU program and their modeled cost.
+
+
+class Kernel(NamedTuple):
+    """One kernel of a compiled GPU program, as its HLO shows it."""
+
+    name: str
+    kind: str  # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
+    depth: int  # the scans of the traced program around it (JAX's name stack: each scan a while/body)
+    runs: int  # times it runs per call: the trip counts of the loops around it
+    bytes: int  # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
+    macs: int  # multiply-accumulates per run (a gemm's dot; a Pallas kernel's declared flops / 2)
+    shapes: str  # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
+
+
+class Roofline(NamedTuple):
+    """The cost model's device. A kernel costs max(its bytes / hbm, its MACs / int8_macs) + launch:
+    HBM and tensor cores overlap, caches and on-chip reuse are ignored, and every kernel pays one
+    launch (XLA's command buffers can hide some of it on a real GPU)."""
+
+    name: str
+    hbm: float  # bytes/s of device memory
+    int8_macs: float  # dense int8 multiply-accumulates/s on the tensor cores
+    launch: float  # seconds a kernel costs beyond its work (launch and tail), an assumption
+
+
+ELEMENTWISE_VIEWS = ("convert", "bitcast", "copy")  # ops a fusion may apply before slicing a parameter
+
+
+def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
+    """(kind, bytes, MACs, gemm shapes) of a fused kernel: each parameter read whole, except one
+    that is only sliced, maybe after a conversion (the slices' entries are read), or updated in
+    place (not read); the result written, less what an in-place update leaves untouched."""
+    named = {x.name: x for x in body}
+    users_of = {x.name: [u for u in body if x.name in u.operands] for x in body}
+
+    def sliced_entries(name: str) -> int | None:
+        """Entries of `name` that its users read through slices, or None where one reads it whole."""
+        entries = 0
+        for u in users_of[name]:
+            if u.operands[0] != name:
+                return None
+            if u.opcode in ("dynamic-slice", "slice", "gather"):
+                entries += sum(math.prod(dims) for _, dims in u.shapes)
+            elif u.opcode in ELEMENTWISE_VIEWS and (inner := sliced_entries(u.name)) is not None:
+                entries += inner
+            elif u.opcode != "dynamic-update-slice":  # an in-place update reads nothing
+                return None
+        return entries
+
+    total = hlo_bytes(result)
+    for parameter in (x for x in body if x.opcode == "parameter"):
+        entries = sliced_entries(parameter.name) if users_of[parameter.name] else None
+        if entries is None:
+            total += hlo_bytes(parameter.shapes)
+        else:
+            total += entries * DTYPE_BYTES.get(parameter.shapes[0][0], 4)
+        for u in users_of[parameter.name]:  # in place: only the update is written
+            if u.opcode == "dynamic-update-slice" and entries is not None:
+                total -= hlo_bytes(u.shapes) - hlo_bytes(named[u.operands[1]].shapes)
+    macs, shapes = 0, ""
+    for dot in (x for x in body if x.opcode == "dot"):
+        lhs, rhs = (named[o].shapes[0] for o in dot.operands[:2])
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes).group(1)
+        macs += math.prod(dot.shapes[0][1]) * math.prod(lhs[1][int(d)] for d in contracting.split(",") if d)
+        shapes = f"{shape_text(lhs)} x {shape_text(rhs)} -> {shape_text(dot.shapes[0])}"
+    return ("gemm" if macs else "fusion"), total, macs, shapes
+
+
+def signature(operands, results) -> tuple:
+    """A kernel call's operand and result dims, the key by which a Pallas kernel's declared cost is
+    found (pallas_costs)."""
+    return tuple(tuple(dims) for dims in operands), tuple(tuple(dims) for dims in results)
+
+
+def scan_depth(x: Instruction) -> int:
+    path = (re.search(r'op_name="([^"]*)"', x.attributes) or [None, ""])[1]
+    return path.count("/while/body") + path.count("/while/cond")
+
+
+def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
+    """Every kernel a compiled GPU program launches, with how often per call (while loops multiply
+    by their known trip counts). A Pallas kernel's bytes and MACs are its declared cost, from
+    `pallas_costs` ({signature: (bytes, MACs)}; 0 where none is known)."""
+    found, entry = computations(hlo)
+    kernels = []
+
+    def called(x: Instruction, key: str) -> str:
+        return re.search(key + r"=%([\w.\-]+)", x.attributes).group(1)
+
+    def walk(computation: str, runs: int) -> None:
+        shapes = {x.name: x.shapes for x in found[computation]}
+        for x in found[computation]:
+            depth = scan_depth(x)
+            if x.opcode == "while":
+                trips = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
+                walk(called(x, "body"), runs * trips)
+                walk(called(x, "condition"), runs * trips)
+            elif x.opcode == "call":
+                walk(called(x, "to_apply"), runs)
+            elif x.opcode == "fusion":
+                kind, size, macs, gemm = fusion_cost(found[called(x, "calls")], x.shapes)
+                kernels.append(Kernel(x.name, kind, depth, runs, size, macs, gemm))
+            elif x.opcode == "custom-call" and TRITON in x.attributes:
+                ins = [shapes[o][0] for o in x.operands]
+                key = signature([dims for _, dims in ins], [dims for _, dims in x.shapes])
+                size, macs = (pallas_costs or {}).get(key, (0, 0))
+                gemm = f"{' x '.join(map(shape_text, ins[1:3]))} -> {shape_text(x.shapes[0])}"
+                kernels.append(Kernel(x.name, "pallas", depth, runs, size, macs, gemm))
+            elif x.opcode not in NO_KERNEL:
+                collective = x.opcode.removesuffix("-start") in COLLECTIVE_OPS
+                kind = "collective" if collective else "copy" if "copy" in x.opcode else x.opcode
+                size = hlo_bytes(x.shapes) + sum(hlo_bytes(shapes.get(o, [])) for o in x.operands)
+                kernels.append(Kernel(x.name, kind, depth, runs, size, 0, ""))
+
+    walk(entry, 1)
+    return kernels
+
+
+def modeled_seconds(kernels: list[Kernel], roofline: Roofline) -> float:
+    """The cost model's time of one call of the program (Roofline)."""
+    return sum(
+        k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch) for k in kernels
+    )

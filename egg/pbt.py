@@ -1,0 +1,67 @@
+"""Population-based training over a run's replicas. A replica's settings are a NamedTuple (run.py's
+Replica: its seed, alpha, alpha_decay_timestep and sigma_shift); its arrays are index k of the
+replica axis. Every pbt_every generations the worst quarter by validation copies the best quarter's
+models and moves the copied settings one step each (explore)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# explore moves alpha and its decay by one of these factors (alpha > 1, a schedule: its excess over
+# 1; alpha <= 1, a fixed share: itself, at most 1), and sigma_shift by one step, within its range.
+# A shift halves or doubles the noise, a far larger step than the factors: it is taken half the
+# time, else the copy keeps the winner's.
+PBT_FACTORS = (0.8, 1.25)
+SIGMA_STEPS = (-1, 0, 0, 1)
+EXPLORED = ("alpha", "alpha_decay_timestep", "sigma_shift")  # what a copy moves (its seed stays its own)
+
+
+def explore(setting, rng: np.random.Generator, sigma_range: tuple[int, int]):
+    """A copied replica's settings, each moved one random step (PBT_FACTORS, SIGMA_STEPS)."""
+    f_alpha, f_decay = rng.choice(PBT_FACTORS, 2)
+    alpha = setting.alpha
+    alpha = min(alpha * f_alpha, 1.0) if alpha <= 1 else 1 + (alpha - 1) * f_alpha
+    sigma_shift = int(np.clip(setting.sigma_shift + rng.choice(SIGMA_STEPS), *sigma_range))
+    decay = max(1, round(setting.alpha_decay_timestep * f_decay))
+    return setting._replace(alpha=round(float(alpha), 4), alpha_decay_timestep=decay, sigma_shift=sigma_shift)
+
+
+def pbt_step(scores: list[float], settings: list, seed: int, generation: int, sigma_range: tuple[int, int]):
+    """Exploit and explore: the worst quarter of the replicas by validation bits/byte (ties: the
+    higher index is worse) each copies one of the best quarter (the worst the best, the second
+    worst the second best, ...) and moves the copied settings (explore, from an RNG seeded by the
+    run's seed and the generation, so a resumed run draws the same); each keeps its own seed, so no
+    two replicas ever share their noise. Returns (the replica each replica's model now comes from,
+    the new settings, the lineage: who copied whom, old -> new settings)."""
+    order = sorted(range(len(scores)), key=lambda k: (scores[k], k))
+    quarter = len(scores) // 4
+    rng = np.random.default_rng([seed, generation])
+    source, new, lineage = np.arange(len(scores), dtype=np.int32), list(settings), []
+    for loser, winner in zip(order[::-1][:quarter], order[:quarter], strict=True):
+        source[loser] = winner
+        new[loser] = explore(settings[winner], rng, sigma_range)._replace(seed=settings[loser].seed)
+        old = settings[loser]._asdict()
+        lineage.append({"replica": loser, "copied": winner, "old": old, "new": new[loser]._asdict()})
+    return source, new, lineage
+
+
+@partial(jax.jit, donate_argnums=0)
+def copy_replicas(trees, source):
+    """Every replica's arrays replaced by those of replica source[k] (itself, or whom it copies)."""
+    return jax.tree.map(lambda x: jnp.take(x, source, axis=0), trees)
+
+
+def settings_text(setting: dict) -> str:
+    """'alpha A, alpha_decay_timestep T, sigma_shift S' of a replica's settings (a dict)."""
+    return ", ".join(f"{name} {setting[name]:g}" for name in EXPLORED)
+
+
+def describe_lineage(lineage: list[dict]) -> str:
+    return "; ".join(
+        f"replica {x['replica']} copies {x['copied']} ({settings_text(x['old'])} -> {settings_text(x['new'])})"
+        for x in lineage
+    )

@@ -1,0 +1,167 @@
+"""Where a run's metrics go: always one JSON line per logged generation in <run folder>/metrics.jsonl
+(beside config.json, the run's flags); with --track also Weights & Biases. And the metric names of
+a run of several replicas."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from egg.files import write_atomic
+
+
+@dataclass(frozen=True)
+class Flags:
+    track: bool = False
+    """log this run to Weights & Biases"""
+    wandb_project: str = "egg-jax"
+    """W&B project"""
+    wandb_entity: Annotated[
+        str | None, tyro.conf.arg(metavar="NAME", help_behavior_hint="(default: yours)")
+    ] = None
+    """W&B entity (team or user)"""
+    tag: str = ""
+    """a tag for the W&B run, also appended to the run name"""
+    runs_dir: str = "runs"
+    """folder holding one output folder per run (metrics.jsonl, config.json)"""
+    run_name: str = ""
+    """name of the run and of its output folder (default: built from the configuration)"""
+
+
+def logged_before(line: str, generation: int) -> bool:
+    """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
+    while writing can leave a last line cut short)."""
+    try:
+        return line.endswith("\n") and json.loads(line)["generation"] <= generation
+    except (ValueError, KeyError):
+        return False
+
+
+class RunRecord:
+    """A run's record in `folder` (its name the W&B run's), from `generation` on (a resumed run drops
+    what was logged after its checkpoint). Only the writer (process 0) records; the other processes'
+    record is a no-op. `flags`: with --track, the W&B run's project, entity and tag."""
+
+    def __init__(self, folder: Path, config: dict, summary: dict, generation: int, writer=True, flags=None):
+        self.lines, self.wandb, self.samples = None, None, []
+        if not writer:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
+        path = folder / "metrics.jsonl"
+        if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
+            kept = [x for x in path.read_text().splitlines(True) if logged_before(x, generation)]
+            write_atomic(path, "".join(kept).encode())
+        elif path.exists():  # a new run under an old name: keep the old record aside
+            path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
+        self.lines = open(path, "a")
+        if flags is not None and flags.track:
+            import wandb
+
+            tags = [flags.tag] if flags.tag else None
+            project, entity = flags.wandb_project, flags.wandb_entity
+            self.wandb = wandb.init(
+                project=project, entity=entity, name=folder.name, config=config, tags=tags
+            )
+            self.wandb.summary.update(summary)
+
+    def log(self, metrics: dict, generation: int) -> None:
+        if self.lines is None:
+            return
+        self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
+        self.lines.flush()
+        if self.wandb is not None:
+            if "samples/text" in metrics:  # every sample so far, as one table
+                import wandb
+
+                self.samples.append([generation, metrics["samples/text"]])
+                metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
+            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
+            metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
+            self.wandb.log(metrics, step=generation)
+
+    def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:
+    """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
+    settings (a series of its own in W&B; `settings`: each replica's, seed left out), and with
+    `summary` the best replica's bits/byte under the plain names (what sweeps and the progress bar
+    read)."""
+    if len(per_replica) == 1:
+        return per_replica[0]
+    out = {}
+    for k, (values, setting) in enumerate(zip(per_replica, settings, strict=True)):
+        out.update({f"replica/{k}/{name}": v for name, v in values.items()})
+        out.update({f"replica/{k}/{name}": v for name, v in setting.items()})
+    if summary:
+        bits = [name for name in per_replica[0] if name.endswith("bits_per_byte")]
+        out.update({name: min(x[name] for x in per_replica) for name in bits})
+    return out
+
+
+def describe_spread(scores: list[float]) -> str:
+    """' (best of K replicas, median M, worst W)', or nothing for a single run."""
+    if len(scores) == 1:
+        return ""
+    return (
+        f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, worst {max(scores):.2f})"
+    )
+
+
+def describe_validation(scores: list[float], leader: int) -> str:
+    """The best replica's last validation, and with replicas which one and their median."""
+    text = f"{scores[leader]:.3f}"
+    return text + (f" (replica {leader}, median {statistics.median(scores):.3f})" if len(scores) > 1 else "")
+
+
+class Console:
+    """What a run shows and keeps of its generations: lines above a progress bar (process 0 alone
+    shows them), and for each generation a record line, a step of the bar (train and validation
+    bits/byte, tokens/s) and its seconds: from its dispatch, or the reading of the generation before
+    it if later, to the reading of its numbers (the first, which warms up, is not timed)."""
+
+    def __init__(self, total: int, start: int, writer: bool, started: float):
+        from tqdm import tqdm
+
+        self.log = tqdm.write if writer else (lambda *a, **k: None)  # above the bar, not inside it
+        self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, disable=not writer)
+        self.start, self.started, self.read, self.timed = start, started, started, []
+        self.record = None  # the RunRecord, once opened
+
+    def lap(self, generation: int, dispatched: float) -> float:
+        """The seconds of a generation whose numbers were read just now."""
+        now, before = time.time(), self.read
+        seconds, self.read = now - max(before, dispatched), now
+        if generation == self.start:
+            self.log(f"first generation done {now - self.started:.1f} s after start")
+        else:
+            self.timed.append(seconds)
+        return seconds
+
+    def show(self, metrics: dict, done: int, scores: list[float], leader: int) -> None:
+        self.record.log(metrics, done)
+        self.bar.update(1)
+        train, rate = f"{metrics['train/bits_per_byte']:.3f}", f"{metrics['perf/tokens_per_s']:,.0f}"
+        self.bar.set_postfix(train=train, val=describe_validation(scores, leader), tok_s=rate)
+
+    def close(self, tokens: int) -> None:
+        """The mean throughput of the timed generations of `tokens` tokens each; the bar and record closed."""
+        self.bar.close()
+        if self.record is not None:
+            self.record.close()
+        if self.timed:
+            rate = tokens * len(self.timed) / sum(self.timed)
+            self.log(
+                f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)"
+            )

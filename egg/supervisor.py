@@ -1,0 +1,107 @@
+"""The launcher of a several-process run's share: it runs this process's run.py as a child and
+stands by. When a process is lost (silent for --heartbeat_timeout s), JAX terminates every other
+one, printing a C++ stack trace (JAX offers no setting to do otherwise: docs/design.org); the
+supervisor keeps JAX's log of it in a file and says instead, in one line, what was lost, the
+newest complete checkpoint and the command that resumes, exiting EXIT_PROCESS_LOST."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from egg.checkpoints import checkpoints_in
+from egg.files import write_atomic
+
+EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
+SUPERVISED = "EGG_JAX_SUPERVISED"  # set in the process a supervisor runs
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
+JAX_TERMINATES = "Terminating process because the JAX distributed service detected fatal errors"
+
+
+def supervised() -> bool:
+    """Whether this process is a supervisor's child."""
+    return SUPERVISED in os.environ
+
+
+def lost_processes(log: str) -> str:
+    """The processes JAX's log names as lost: 'Task N heartbeat timeout', the unhealthy tasks'
+    list, or the coordinator itself when it is the one that stopped answering."""
+    named = re.findall(r"Task (\d+) heartbeat timeout", log) + re.findall(r"heartbeats\):\s*(\d+)", log)
+    if named:
+        return "process " + ", ".join(map(str, sorted({int(n) for n in named})))
+    return "process 0, the coordinator," if "coordination service" in log else "a process"
+
+
+def relay_stderr(child) -> list[str]:
+    """Pass the child's stderr through as it comes (a progress bar's updates too), but for JAX's
+    account of a lost process: from its first line on, the lines are held and returned."""
+    held, pending, ended = [], b"", True  # ended: the last line written has its newline
+    while chunk := os.read(child.stderr.fileno(), 1 << 16):
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            text = line.decode(errors="replace")
+            jax_error = GLOG_LINE.match(text) and text[0] in "EF" and re.search("coordinat|heartbeat", text)
+            if held or jax_error:
+                held.append(text)
+            else:
+                sys.stderr.buffer.write(line + b"\n")
+                ended = True
+        if pending and not held and not GLOG_LINE.match(pending.decode(errors="replace")):
+            sys.stderr.buffer.write(pending)  # a progress bar's update: no newline
+            pending, ended = b"", False
+        sys.stderr.flush()
+    if not ended:
+        sys.stderr.write("\n")
+    return held
+
+
+def resume_command(script: Path, argv: list[str]) -> str:
+    """The command that resumes: argv with --resume and its value replaced by --resume auto."""
+    flags, skip = [], False
+    for word in argv:
+        if not skip and not word.startswith("--resume"):
+            flags.append(word)
+        skip = word in ("--resume", "--resume_")
+    return shlex.join(["python", script.name, *flags, "--resume", "auto"])
+
+
+def report_lost_process(
+    script: Path, argv: list[str], log: str, run_folder: Path, save_dir: Path, proc
+) -> None:
+    """The supervisor's one line: what JAX says was lost, where its log went, the newest complete
+    checkpoint and the command that resumes."""
+    process = os.environ.get("SLURM_PROCID", proc)  # under SLURM --proc_id is not given
+    record = (run_folder if run_folder.is_dir() else Path(".")) / f"process-{process}-lost.log"
+    write_atomic(record, log.encode())
+    saved = checkpoints_in(save_dir)
+    newest = f"the newest complete checkpoint is {saved[-1]}" if saved else f"no checkpoint in {save_dir} yet"
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(
+        f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
+        f"{newest}; resume with: {resume_command(script, argv)}",
+        file=sys.stderr,
+    )
+
+
+def supervise(script: Path, argv: list[str], run_folder: Path, save_dir: Path, proc: int) -> int:
+    """Run `script` with argv as a child and stand by; return the exit code. The child's output, exit
+    code and the stop signals this process is sent pass through; JAX's account of a lost process is
+    kept in <run_folder>/process-N-lost.log and said in one line (EXIT_PROCESS_LOST)."""
+    env = {**os.environ, SUPERVISED: "1"}
+    child = subprocess.Popen([sys.executable, str(script), *argv], env=env, stderr=subprocess.PIPE)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    log = "\n".join(relay_stderr(child))
+    code = child.wait()
+    if JAX_TERMINATES not in log:
+        sys.stderr.write(log + ("\n" if log else ""))
+        return 128 - code if code < 0 else code
+    report_lost_process(script, argv, log, run_folder, save_dir, proc)
+    return EXIT_PROCESS_LOST

@@ -1,0 +1,264 @@
+"""bench.py: the benchmark's table of training, fitness, inference and full-rank ES; and the GPU
+program, compiled here for an H100 without one (--target h100: XLA's whole GPU pipeline, deviceless):
+integer only, every product an s8 x s8 -> s32 dot, its inputs donated, its temporaries bounded, one
+all-gather of the scores a generation over 8 GPUs; and the kernel count, bytes and cost model of
+the report against programs whose answer is known."""
+
+import re
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, in_process, one_line_error, tiny_args
+
+import bench
+import run
+from egg import cluster, hlo
+from egg.flags import flag_given
+
+FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
+SMALL = ["--n_embd", "16", "--parallel_generations_per_gpu", "64", "--segments", "2"]
+
+
+def compile_step(args, part="train", devices=1):
+    mesh = bench.target_mesh("h100", devices)
+    cfg = run.mesh_config(args, mesh)
+    step = run.make_generation_step(cfg, mesh, part)
+    with bench.without_compilation_cache():
+        return step.lower(*bench.abstract_inputs(args, cfg, mesh)).compile(), cfg, mesh
+
+
+def dots(text: str) -> list[tuple[list, list]]:
+    """(operand shapes, result shapes) of every dot in a compiled program."""
+    computations, _ = hlo.computations(text)
+    found = []
+    for body in computations.values():
+        shapes = {x.name: x.shapes for x in body}
+        found += [([shapes[o][0] for o in x.operands], x.shapes) for x in body if x.opcode == "dot"]
+    return found
+
+
+def integer_only(text: str) -> None:
+    """No floating-point type; every product an s8 x s8 -> s32 dot of XLA's or the product kernel
+    (whose own dots test_kernels.py checks in its jaxpr)."""
+    assert not [t for t in FLOAT_TYPES if re.search(rf"\b{t}\[", text)]
+    products = dots(text)
+    assert products or hlo.TRITON in text
+    assert all(
+        [t for t, _ in operands] == ["s8", "s8"] and [t for t, _ in result] == ["s32"]
+        for operands, result in products
+    ), products
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--algorithm", "upstream"], ["--replicas", "2", "--replica_sigma_shift", "3", "5"]]
+)
+def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
+    args = tiny_args(*SMALL, "--segments", "6", *flags)
+    compiled, cfg, _ = compile_step(args)
+    text = compiled.as_text()
+    integer_only(text)
+    assert cfg.kernels == "pallas" and hlo.TRITON in text  # the products are the kernel's
+    # parameters, update rule state and hidden states are donated: every one aliases an output
+    carried = len(jax.tree.leaves(bench.abstract_inputs(args, cfg, bench.target_mesh("h100", 1))[:3]))
+    aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
+    assert sorted(int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliased)) == list(range(carried))
+    # temporaries: one segment's noise at a time (built where it is used: 6 segments' at once would
+    # be 16 times this noise), in words, entries and the layouts the kernels read, and the members'
+    # activations, int32, a few times over
+    pieces = sum(np.prod(shape) for _, shape, _ in run.noise_pieces(cfg))
+    noise = run.noise_pairs(cfg) // cfg.segments * cfg.replicas * pieces
+    activations = cfg.population * cfg.replicas * cfg.n_layer * 4 * cfg.n_embd * 4
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    print(f"temporaries {temporaries:,} B; a segment's noise {noise:,} B, activations {activations:,} B")
+    assert temporaries <= 4 * noise + 4 * activations
+
+
+def test_validation_and_inference_compile_for_the_h100_integer_only():
+    args = tiny_args(*SMALL)
+    compiled, cfg, mesh = compile_step(args, "inference")
+    integer_only(compiled.as_text())
+    params = bench.abstract_inputs(args, cfg, mesh)[0]
+    rows = jax.ShapeDtypeStruct(
+        (8, 17), jnp.uint8, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pop"))
+    )
+    with bench.without_compilation_cache():
+        integer_only(run.make_evaluate(cfg, mesh).lower(params, rows).compile().as_text())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast):
+    """docs/design.org: one all-gather of an int8 score per pair and segment (half a byte per
+    member and segment), with normalised scores also the two int32 sums of the mean |difference|."""
+    args = tiny_args(
+        *SMALL, "--fast_fitness" if fast else "--no-fast_fitness", "--parallel_generations_per_gpu", "16"
+    )
+    compiled, cfg, _ = compile_step(args, devices=8)
+    traffic = hlo.collective_traffic(compiled.as_text())
+    gathers = [size for op, size in traffic if op == "all-gather"]
+    assert cfg.population == 128 and gathers == [cfg.segments * cfg.population // 2], traffic
+    others = [(op, size) for op, size in traffic if op != "all-gather"]
+    assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 12 * (not fast)
+    integer_only(compiled.as_text())
+
+
+def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
+    """A scan of 5 steps around one int8 product (64 x 32 by 32 x 16) and an elementwise step: the
+    product runs 5 times, reads both operands and writes its int32 result, and costs 64 x 32 x 16
+    multiply-accumulates, one scan deep; the cost model charges each kernel its larger term plus a
+    launch."""
+    sharding = jax.sharding.SingleDeviceSharding(bench.target_mesh("h100", 1).devices.flat[0])
+
+    def program(x, w):
+        def step(h, _):
+            product = jnp.dot(h, w, preferred_element_type=jnp.int32)
+            return jnp.clip(product >> 3, -127, 127).astype(jnp.int8)[:, :32] + h[:, :32] * 0, None
+
+        return jax.lax.scan(step, x, None, length=5)[0]
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.int8, sharding=sharding)
+    w = jax.ShapeDtypeStruct((32, 64), jnp.int8, sharding=sharding)
+    with bench.without_compilation_cache():
+        kernels = hlo.gpu_kernels(jax.jit(program).lower(x, w).compile().as_text())
+    (gemm,) = [k for k in kernels if k.kind == "gemm"]
+    assert (gemm.runs, gemm.depth, gemm.macs) == (5, 1, 64 * 32 * 64)
+    assert gemm.bytes == 64 * 32 + 32 * 64 + 64 * 64 * 4
+    assert gemm.shapes.endswith("-> s32[64,64]")
+    roofline = hlo.Roofline("test", hbm=1e9, int8_macs=1e10, launch=1e-6)
+    want = sum(k.runs * (max(k.bytes / 1e9, k.macs / 1e10) + 1e-6) for k in kernels)
+    assert hlo.modeled_seconds(kernels, roofline) == pytest.approx(want)
+
+
+def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
+    cfg = run.make_config(run.parse_args(["--parallel_generations_per_gpu", "32768"]))
+    training, inference = bench.roofline_bytes(cfg)
+    assert (round(training), round(inference)) == (55_573, 34_964)
+
+
+@pytest.mark.parametrize("kernels", ["pallas", "xla"])
+def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys, kernels):
+    args = run.parse_args([*TINY, *SMALL, "--target", "h100", "--kernels", kernels], bench.Args)
+    figures = bench.target_report(args)
+    out = capsys.readouterr().out
+    for line in (
+        "kernels per token:",
+        "bytes per token and member:",
+        "temporaries:",
+        "modeled training tokens/s:",
+    ):
+        assert re.search(rf"^{re.escape(line)} [0-9,.]+", out, re.M), line
+    assert "modeled" in out.split("modeled training tokens/s:")[1].splitlines()[0]
+    train = figures["training"]
+    if kernels == "xla":  # the layers in a scan of their own
+        assert train["per_token"] > train["per_layer"] * run.parse_args(TINY).n_layer > 0
+    else:  # unrolled, the products Pallas kernels whose declared cost is read
+        assert train["per_token"] > 0 == train["per_layer"] and "(the layers unrolled)" in out
+        assert [k for k in figures["kernels"]["training"] if k.kind == "pallas" and k.bytes and k.macs]
+    assert 0 < train["tokens_per_s"] < figures["inference"]["tokens_per_s"] * 1.5
+
+
+def test_a_product_kernel_is_costed_by_the_layer_it_reads():
+    """The kernel compiled for the H100 (Triton): counted as one kernel a call, its bytes the x, the
+    one layer of the weights and factors it reads and the int8 output it writes (not the stacked
+    operands whole), its MACs those of its products."""
+    sharding = jax.sharding.SingleDeviceSharding(bench.target_mesh("h100", 1).devices.flat[0])
+    layers, pairs, m, n = 3, 64, 128, 64
+
+    def shaped(*shape, dtype=jnp.int8):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def program(x, w, a, b, shifts):
+        return run.product_kernel(x, w, a, b, shifts, jnp.int32(1), None, None, False, False)
+
+    operands = (
+        shaped(1, 1, pairs, 2 * n),
+        shaped(2, layers, 1, m, n),
+        shaped(2, layers, 1, pairs, m),
+        shaped(2, layers, 1, pairs, n),
+        shaped(1, dtype=jnp.int32),
+    )
+    with bench.without_compilation_cache():
+        traced = jax.jit(program).trace(*operands)
+        kernels = hlo.gpu_kernels(traced.lower().compile().as_text(), bench.pallas_costs(traced.jaxpr))
+    (product,) = [k for k in kernels if k.kind == "pallas"]
+    read = pairs * 2 * n + 2 * m * n + 2 * pairs * (m + n)  # x; a layer of w, a and b for both matrices
+    assert (product.runs, product.bytes, product.macs) == (1, read + 2 * pairs * 2 * m, 2 * pairs * 2 * m * n)
+
+
+def benchmark_args(**overrides):
+    args = dict(n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8)
+    return bench.Args(**{**args, **overrides})
+
+
+def test_benchmark_prints_one_table_with_every_mode(capsys):
+    rate = bench.benchmark(benchmark_args(num_epochs=2))  # --num_epochs given: exactly 2 of each
+    assert set(rate) == {"a", "b", "c", "d"} and all(v > 0 for v in rate.values())
+    out = capsys.readouterr().out
+    for label in (
+        "a training",
+        "b fitness only",
+        "c inference",
+        "d full-rank ES",
+        "training / inference (a/c)",
+        "peak RSS",
+        "temp MiB",
+        "median of 2 generations",
+        "a bare JAX process on this machine",
+    ):
+        assert label in out
+    assert "note:" not in out
+    bare = float(re.search(r"jitted int8 dot\) ([0-9.]+) GiB", out).group(1))
+    assert 0.05 < bare < 4
+
+
+def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(capsys, monkeypatch):
+    monkeypatch.setattr(cluster, "host_memory_left", lambda: 0)  # nothing left: any temporaries are too many
+    rate = bench.benchmark(benchmark_args(num_epochs=1))
+    assert set(rate) == {"a", "b", "c"}
+    out = capsys.readouterr().out
+    assert re.search(
+        r"note: d full-rank ES skipped: its compiled program needs [0-9.]+ GiB of temporaries", out
+    )
+    assert "on 1 device(s), more than the 0.0 GiB free" in out
+
+
+def test_memory_left_is_one_accelerators_or_the_hosts_for_every_cpu_device(monkeypatch):
+    def mesh(stats, devices):
+        device = SimpleNamespace(memory_stats=lambda: stats)
+        return SimpleNamespace(devices=np.array([device] * devices), local_devices=[device] * devices)
+
+    gpu = {"bytes_limit": 80 * 2**30, "bytes_in_use": 2**30, "peak_bytes_in_use": 2**31}
+    assert cluster.memory_left(mesh(gpu, 2)) == (79 * 2**30, 1)  # each device's own memory
+    monkeypatch.setattr(cluster, "host_memory_left", lambda: 5 * 2**30)
+    assert cluster.memory_left(mesh(None, 3)) == (5 * 2**30, 3)  # the CPU's devices share the host's
+
+
+def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
+    rate = bench.benchmark(benchmark_args(), budget=0.0)  # no time at all: the least it does
+    assert set(rate) == {"a", "b", "c"}
+    out = capsys.readouterr().out
+    assert "median of 3 generations" in out and "note: d full-rank ES skipped" in out
+    assert "note: no --num_epochs: timed 3 generation(s) of a, b, c, what fits" in out
+    assert flag_given(["--rank", "2", "--num-epochs=3"], "num_epochs")
+    assert flag_given(["--num_epochs", "3"], "num_epochs")
+    assert not flag_given(["--rank", "2", "--n_embd", "8"], "num_epochs")
+
+
+def test_benchmark_of_replicas_times_one_run_of_as_many_members_beside_them(capsys):
+    rate = bench.benchmark(benchmark_args(replicas=2, replica_sigma_shift=(3, 5)), budget=0.0)
+    assert set(rate) == {"a", "b", "c", "e"} and all(v > 0 for v in rate.values())
+    out = capsys.readouterr().out
+    assert "2 replicas, each population 16" in out and "(a, b, c, e taking turns)" in out
+    assert "e one run of 32" in out and "timed 3 generation(s) of a, b, c, e" in out
+    ratio = float(re.search(r"2 replicas of population 16 / one run of 32 \(a/e\): ([0-9.]+)%", out).group(1))
+    assert abs(ratio - 100 * rate["a"] / rate["e"]) < 0.1
+
+
+def test_the_benchmark_is_its_own_script_and_takes_run_pys_flags(capsys):
+    one_line_error(in_process(capsys, "--benchmark"), "run python bench.py with the same flags")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--target", "h100", "--n_embd", "6"])
+    assert stop.value.code == 2 and "--n_embd must be a multiple of 4, got 6" in capsys.readouterr().err
