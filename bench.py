@@ -229,9 +229,11 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     rng, bare, notes = np.random.default_rng(args.seed), bare_jax_rss(), []
     parts = (("a training", "train"), ("b fitness only", "fitness"), ("c inference", "inference"))
     kinds = [prepare_kind(label, args, part, mesh, rng, notes) for label, part in parts]
-    if args.replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
+    if (
+        replicas := args.replication.replicas
+    ) > 1:  # the same members as one run: K x P, beside the K replicas of P
         whole = run.single_run(
-            args, parallel_generations_per_gpu=args.parallel_generations_per_gpu * args.replicas
+            args, parallel_generations_per_gpu=args.parallel_generations_per_gpu * replicas
         )
         label = f"e one run of {run.make_config(whole, mesh.size).population}"
         kinds.append(prepare_kind(label, whole, "train", mesh, rng, notes))

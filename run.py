@@ -15,21 +15,14 @@ a test on the fitness-weighted noise passes. One compiled step trains K >= 1 mod
 This file holds the algorithm and its loop. It reads top to bottom, one ruler per section: Args,
 constants, integer math, model, GPU product kernel, forward, noise, ES step, integer ranges, flags,
 data stream, sampling and diagnostics, loop, and main. Importing it does nothing: `python run.py`
-calls main(). Beside it, and never importing it:
-
-    egg/          the tools a run uses (egg/__init__.py lists them): flags and the command line,
-                  corpora and baselines, checkpoint files, devices, processes and signals, the
-                  supervisor, the record, diagnostics, population-based training, HLO reading
-And importing it:
-    bench.py      the benchmark (training, fitness, inference and full-rank ES timed side by side)
-                  and, with --target h100, the GPU program compiled here without a GPU and costed
-    compare.py    learning comparisons of variants over seeds and texts
-    scripts/      build_corpora.py, gpu_check.py, side_by_side.py; baselines/backprop.py
+calls main(). Beside it, egg/ holds the tools a run uses and never imports this file (its
+__init__.py lists them: flags, files, corpora, checkpoints, devices and processes, the supervisor,
+the record, diagnostics, population-based training, sampling, HLO reading); bench.py (the benchmark
+and the deviceless GPU report), compare.py (learning comparisons), scripts/ and baselines/ import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 import statistics
@@ -51,24 +44,18 @@ from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_cop
 from egg.files import writable_folder
 from egg.flags import acts, check_range, check_ranges, facts_of, flag, flag_given, flat, parse, replace
 from egg.hlo import Compiled, compile_now
-from egg.record import describe_spread, replica_metrics
+from egg.record import describe_spread, replica_metrics, run_folder, save_dir_of
 
 # ------------------------------------------------------------------------------------------------
 # Args. Each flag's facts (its allowed range, whether it changes training, upstream nano-egg's
 # value, where it acts) are written once, beside the flag (egg/flags.py); the checks, the resume
 # comparison, the --algorithm upstream preset and --help derive from them.
 
-VALID_HINT = "(default: minipile's validation split, else the last --valid_fraction of --data)"
-ROUNDS_TO_ZERO = (
-    "from 7 on every bias and gain perturbation rounds to 0 (the noise table's largest |entry| is 46)"
-)
+ROUNDS_TO_ZERO = "from 7 on every bias and gain perturbation rounds to 0 (the noise table's |entries| <= 46)"
 INT16 = "its running sum is int16"
 Rule = Literal["ztest", "momentum", "adam"]
-WITH_M, WITH_V, ZTEST_ONLY = (
-    ("optimizer", ("momentum", "adam")),
-    ("optimizer", ("adam",)),
-    ("optimizer", ("ztest",)),
-)
+# where a flag acts: under these update rules
+WITH_M, WITH_V, ZTEST_ONLY = (("optimizer", rules) for rules in (("momentum", "adam"), ("adam",), ("ztest",)))
 
 
 @dataclass(frozen=True)
@@ -78,18 +65,6 @@ class Args:
     """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
     num_epochs: Annotated[int, *flag("[1, inf)")] = 1000
     """number of generations to train (one ES update each; the upstream name)"""
-    platform: Literal["", "cpu", "cuda", "rocm", "tpu"] = ""
-    """JAX platform to run on (default: JAX's choice: its accelerator, else the CPU)"""
-
-    # data
-    data: str = "minipile"
-    """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
-    valid_data: Annotated[str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)] = None
-    """a separate validation file or folder"""
-    valid_fraction: Annotated[float, *flag("(0, 0.5)")] = 0.01
-    """share of --data held out for validation when --valid_data is not given"""
-    dir_path: str = str(Path(__file__).resolve().parent / "cached_files")
-    """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
 
     # population
     parallel_generations_per_gpu: Annotated[int, *flag("[1, inf)")] = 1024
@@ -104,9 +79,7 @@ class Args:
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
     """'upstream': every flag whose help shows an 'upstream:' value set to it unless given (the control)"""
-    alpha: Annotated[
-        float, *flag("(0, inf)", training=True, why="a share <= 1 or a schedule's exponent > 1")
-    ] = 4.0
+    alpha: Annotated[float, *flag("(0, inf)", training=True, why="a share <= 1, or a schedule's > 1")] = 4.0
     """<= 1: fixed share of parameters allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
     alpha_decay_timestep: Annotated[int, *flag("[1, inf)", training=True)] = 1000
     """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps decaying"""
@@ -137,18 +110,6 @@ class Args:
     null_from_scores: Annotated[bool, *flag(training=True, acts_if=ZTEST_ONLY)] = False
     """ztest: scale the null std by sqrt(this generation's sum of squared scores / its expected value)"""
 
-    # replicas and population-based training
-    replicas: Annotated[int, *flag("[1, inf)", training=True)] = 1
-    """models trained side by side in one step, each with its own seed (--seed + index) and settings below"""
-    replica_alpha: Annotated[tuple[float, ...], *flag(training=True)] = ()
-    """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
-    replica_alpha_decay_timestep: Annotated[tuple[int, ...], *flag(training=True)] = ()
-    """--alpha_decay_timestep of each replica, a list of --replicas values (empty: the flag's)"""
-    replica_sigma_shift: Annotated[tuple[int, ...], *flag(training=True)] = ()
-    """--sigma_shift of each replica, a list of --replicas values (empty: the flag's)"""
-    pbt_every: Annotated[int, *flag("[0, inf)", training=True)] = 0
-    """generations between population-based training steps (0: none; needs --replicas >= 4)"""
-
     # model
     n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
     """number of minGRU blocks"""
@@ -169,8 +130,12 @@ class Args:
     validation_tokens: Annotated[int, *flag("[0, inf)")] = 0
     """bytes per validation row (0: the whole held-out part)"""
 
-    # sampling
-    sampling: Annotated[sampling.Flags, tyro.conf.OmitArgPrefixes] = sampling.Flags()
+    # the tools' flags (egg/), each group apart in --help
+    corpus: Annotated[corpora.Flags, tyro.conf.OmitArgPrefixes] = corpora.Flags()
+    """the training and validation bytes"""
+    replication: Annotated[pbt.Flags, tyro.conf.OmitArgPrefixes] = pbt.Flags()
+    """replicas and population-based training"""
+    sampler: Annotated[sampling.Flags, tyro.conf.OmitArgPrefixes] = sampling.Flags()
     """text from a checkpoint's model (--sample) or during training (--sample_every)"""
     checkpointing: Annotated[checkpoints.Flags, tyro.conf.OmitArgPrefixes] = checkpoints.Flags()
     """checkpoints, resume"""
@@ -178,7 +143,7 @@ class Args:
     """the run's record (runs/RUN_NAME/metrics.jsonl) and Weights & Biases"""
     hosts: Annotated[cluster.Flags, tyro.conf.OmitArgPrefixes] = cluster.Flags()
     """several hosts (jax.distributed; detected automatically under SLURM), and the CPU's devices"""
-    diagnosis: Annotated[diagnosis.Flags, tyro.conf.OmitArgPrefixes] = diagnosis.Flags()
+    health: Annotated[diagnosis.Flags, tyro.conf.OmitArgPrefixes] = diagnosis.Flags()
     """the int8 activations' and parameters' health"""
 
 
@@ -345,11 +310,6 @@ def isqrt(x):
     return root.astype(i32)
 
 
-def bit_length(x):
-    """Bits of a non-negative int32 (0 for 0)."""
-    return 32 - jax.lax.clz(x)
-
-
 def scale_by_root(threshold, s, s_null: float):
     """--null_from_scores: threshold x sqrt(s / s_null) for the sum s of this generation's squared
     weights, floored, within 1 + 2**-12 relative; all int32, from mantissas in [2**14, 2**15): threshold
@@ -360,18 +320,15 @@ def scale_by_root(threshold, s, s_null: float):
     inverse = 1 / math.sqrt(s_null)
     ie = ROOT_BITS - 1 - int(math.floor(math.log2(inverse)))
     im = int(round(inverse * 2**ie))  # in [2**14, 2**15]
-    te = bit_length(threshold) - ROOT_BITS
+    te = 32 - jax.lax.clz(threshold) - ROOT_BITS  # the bit length of the threshold, less 15
     tm = jnp.where(te >= 0, threshold >> jnp.maximum(te, 0), threshold << jnp.maximum(-te, 0))
     j = (jax.lax.clz(jnp.maximum(s, 1)) - 2) >> 1
     r = isqrt(s << j * 2)
     product = ((tm * r) >> ROOT_BITS) * im
     shift = ROOT_BITS + te - j - ie
     room = jax.lax.clz(jnp.maximum(product, 1)) - 1  # left shifts that keep it an int32
-    scaled = jnp.where(
-        shift >= 0,
-        jnp.where(shift <= room, product << jnp.clip(shift, 0, 31), INT32_MAX),
-        product >> jnp.clip(-shift, 0, 31),
-    )
+    left = jnp.where(shift <= room, product << jnp.clip(shift, 0, 31), INT32_MAX)
+    scaled = jnp.where(shift >= 0, left, product >> jnp.clip(-shift, 0, 31))
     same = s == int(s_null) if float(s_null).is_integer() else False
     return jnp.where((threshold == INT32_MAX) | same, threshold, jnp.where(s == 0, 0, scaled))
 
@@ -403,9 +360,8 @@ def make_sides(sigma_shifts, sides: int) -> Sides:
 def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
     """Shape of one parameter (one layer's, for block parameters); matrices are (out, in)."""
     n = cfg.n_embd
-    return dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n)).get(
-        name, (n, n) if name in MATRICES else (n,)
-    )
+    shapes = dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n))
+    return shapes.get(name, (n, n) if name in MATRICES else (n,))
 
 
 def full_shape(name: str, cfg: Config) -> tuple[int, ...]:
@@ -456,10 +412,8 @@ def chunked_dot(x, b):
     splits a longer reduction in two passes that store every int32 product, the chunks avoid that."""
     n = x.shape[-1]
     chunk = max(c for c in range(1, 33) if n % c == 0)
-    lead = x.shape[:-1]
-    products = x.astype(i32).reshape(lead + (n // chunk, chunk, 1)) * b.reshape(
-        b.shape[:-2] + (n // chunk, chunk, -1)
-    )
+    split = (n // chunk, chunk)
+    products = x.astype(i32).reshape(x.shape[:-1] + split + (1,)) * b.reshape(b.shape[:-2] + split + (-1,))
     parts = jnp.sum(products, axis=-2)  # (..., n // chunk, r)
     return sum(parts[..., k, :] for k in range(n // chunk))
 
@@ -475,9 +429,8 @@ def matmul(x, w, nz, sides: Sides):
     """
     # one plain 2-D product per replica: as one batched dot XLA:CPU copies w transposed at every
     # layer and byte (9% of a generation at 256D-6L)
-    acc = jnp.stack(
-        [jnp.einsum("rdsn,mn->rdsm", x[k], w[k], preferred_element_type=i32) for k in range(len(w))]
-    )
+    dot = partial(jnp.einsum, "rdsn,mn->rdsm", preferred_element_type=i32)
+    acc = jnp.stack([dot(x[k], w[k]) for k in range(len(w))])
     shift = sides.shift[..., None]
     if isinstance(nz, tuple):
         a, b = (f[:, None, :, None] for f in nz)  # (K, 1, D, 1, ..., r)
@@ -499,10 +452,8 @@ def embed(emb, tok, nz, sides: Sides):
     lookup = tok[None, ..., None, None]  # each member's byte in its pair's noise: (1, R, D, S, 1, 1)
     if not isinstance(nz, tuple):  # --rank 0: a full (256, n) noise matrix
         row = jnp.take_along_axis(nz[:, None, :, None], lookup, axis=4)[..., 0, :]
-        shift = sides.shift[..., None]
-        return clip_int8(
-            rows.astype(i32) + sides.sign[..., None] * round_shift(row, NOISE_FRAC + shift - WEIGHT_FRAC)
-        )
+        noise = round_shift(row, NOISE_FRAC + sides.shift[..., None] - WEIGHT_FRAC)
+        return clip_int8(rows.astype(i32) + sides.sign[..., None] * noise)
     a, b = nz  # a (K, D, 256, r), b (K, D, n, r)
     a_tok = jnp.take_along_axis(a[:, None, :, None], lookup, axis=4)  # (K, R, D, S, 1, r)
     pert = jnp.sum(b[:, None, :, None].astype(i32) * a_tok, axis=-1)  # (K, R, D, S, n) at 2 * NOISE_FRAC
@@ -538,15 +489,11 @@ TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and
 TILE_DEPTH_MIN = 32
 
 
-def power_of_two(x: int) -> bool:
-    return x >= 16 and x & (x - 1) == 0
-
-
 def product_kernel_takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     """Whether the kernel takes a product of these shapes: tiles of powers of two >= 16 (Triton's
     int8 dots), at least 32 inputs deep (TILE_DEPTH_MIN), whole tiles of pairs within the distinct
     ones."""
-    shaped = power_of_two(m) and power_of_two(n) and n >= TILE_DEPTH_MIN
+    shaped = all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) and n >= TILE_DEPTH_MIN
     return shaped and distinct % 16 == 0 and pairs % distinct == 0
 
 
@@ -576,12 +523,12 @@ def int8_product(*refs, noisy: bool, gained: bool, added: bool, x_layered: bool,
         return clip_int8((chunk.astype(i32) * g * recip[:, None]) >> RECIP_BITS)
 
     if gained:  # layer_norm's mean |x| and its reciprocal round(2**16 / mean), per row
-        total = jax.lax.fori_loop(
-            0,
-            n // depth,
-            lambda k, t: t + jnp.sum(jnp.abs(x_ref[x_at, 0, :, pl.ds(k * depth, depth)].astype(i32)), 1),
-            jnp.zeros((rows,), i32),
-        )
+
+        def absolute(k, total):
+            return total + jnp.sum(jnp.abs(x_ref[x_at, 0, :, pl.ds(k * depth, depth)].astype(i32)), 1)
+
+        total = jax.lax.fori_loop(0, n // depth, absolute, jnp.zeros((rows,), i32))
+
         mean = jnp.maximum(divide_to_int8(total, n).astype(i32), 1)
         recip = (2 ** (RECIP_BITS + 1) + mean) // (2 * mean)  # = tables.recip[mean], never a tie
 
@@ -649,13 +596,11 @@ def product_cost(x, w, a, b, gain, residual, out):
     from jax.experimental import pallas as pl
 
     layers_x, layers = x.shape[0], w.shape[1]
-    per_layer = [x.nbytes // layers_x, w.nbytes // layers] + [
-        o.nbytes // layers for o in (a, b, gain) if o is not None
-    ]
-    moved = sum(per_layer) + (residual.nbytes if residual is not None else 0) + math.prod(out.shape)
-    return pl.CostEstimate(
-        flops=2 * math.prod(out.shape) * w.shape[-1], transcendentals=0, bytes_accessed=moved
-    )
+    stacked = sum(o.nbytes // layers for o in (w, a, b, gain) if o is not None)  # one layer of each
+    outputs = math.prod(out.shape)  # int8, written whole, as the residual is read whole
+    moved = x.nbytes // layers_x + stacked + (residual.nbytes if residual is not None else 0) + outputs
+    macs = outputs * w.shape[-1]
+    return pl.CostEstimate(flops=2 * macs, transcendentals=0, bytes_accessed=moved)
 
 
 def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, interpret: bool):
@@ -680,14 +625,8 @@ def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, i
         for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
     )
     column_tiles = m // columns
-    program = partial(
-        int8_product,
-        noisy=noisy,
-        gained=gain is not None,
-        added=residual is not None,
-        x_layered=x_layered,
-        tile=(rows, columns, depth, n),
-    )
+    kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None, x_layered=x_layered)
+    program = partial(int8_product, **kinds, tile=(rows, columns, depth, n))
     in_specs, operands = product_specs(x, w, a, b, shifts, layer, gain, residual, (rows, columns, n))
     out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
     compiler = None
@@ -791,16 +730,10 @@ def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", res
     def as_rows(v):  # (..., K, R, D, S, n) -> (..., K, Q, S n): a view
         return v.reshape(v.shape[:-4] + (pairs, -1))
 
-    out = product_kernel(
-        as_rows(x) if x_layered else as_rows(x)[None],
-        *found,
-        model.sides.shift.reshape(-1),
-        jnp.asarray(0 if layer is None else layer, i32),
-        model.kernel[gain] if gain else None,
-        None if residual is None else as_rows(residual),
-        x_layered,
-        model.interpret,
-    )
+    rows, at = as_rows(x) if x_layered else as_rows(x)[None], jnp.asarray(0 if layer is None else layer, i32)
+    gains, added = model.kernel[gain] if gain else None, None if residual is None else as_rows(residual)
+    shifts = model.sides.shift.reshape(-1)
+    out = product_kernel(rows, *found, shifts, at, gains, added, x_layered, model.interpret)
     return [o.reshape(picked.shape[:-1] + (m,)) for o in out]
 
 
@@ -861,17 +794,14 @@ def token_logits(model: Model, states, tok, cfg: Config, collect: bool = False):
 
 def forward(params, noise, states, inputs, targets, sigma_shifts, cfg: Config, collect: bool = False):
     """Every replica's M members reading T bytes: the one forward of training (with noise) and of
-    validation, sampling and diagnostics (noise None).
-
-    params: each (K, ...); noise: each (K, D, ...) for D distinct pairs (M a multiple of 2 D), or
-    None for the noise-free model; states (K, M, L, n) int8; inputs, targets (M, T) uint8, the same
-    bytes for every replica; sigma_shifts (K,) int32 (None without noise). Returns the fitness (K, M)
-    int32 (log2-likelihood sums at LL_FRAC), the states (K, M, L, n), the last byte's logits (K, M,
-    256) int8 and with `collect` every byte's int8 activations ({name: (T, ...)}, else empty).
-
-    Member p = (r D + d) S + s has the model's axes (R, D, S) by a reshape. States put their layer
-    axis first, so that the layer scan slices them without copies. What stays fixed over the
-    tokens is built once: each member's perturbed vectors (model_inputs)."""
+       validation, sampling and diagnostics (noise None). params: each (K, ...); noise: each (K, D, ...)
+       for D distinct pairs (M a multiple of 2 D), or None; states (K, M, L, n) int8; inputs, targets
+       (M, T) uint8, the same bytes for every replica; sigma_shifts (K,) int32 (None without noise).
+       Returns the fitness (K, M) int32 (log2-likelihood sums at LL_FRAC), the states (K, M, L, n), the
+       last byte's logits (K, M, 256) int8 and with `collect` every byte's int8 activations ({name: (T,
+       ...)}, else empty). Member p
+    = (r D + d) S + s has the model's axes (R, D, S) by a reshape; states put their layer
+       axis first, so that the layer scan slices them without copies."""
     params = jax.tree.map(jnp.asarray, params)
     replicas, count = states.shape[:2]
     sides = 1 if noise is None else 2
@@ -909,11 +839,9 @@ def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
     for name in PARAM_NAMES:
         layers = (cfg.n_layer,) * (name in BLOCK_NAMES)
         shape = param_shape(name, cfg)
-        if name in MATRICES and cfg.rank:
-            pieces += [
-                (name, layers + (shape[0], cfg.rank), "gauss"),
-                (name, layers + (shape[1], cfg.rank), "gauss_rank"),
-            ]
+        if name in MATRICES and cfg.rank:  # A, B
+            factors = (shape[0], cfg.rank), (shape[1], cfg.rank)
+            pieces += [(name, layers + factors[0], "gauss"), (name, layers + factors[1], "gauss_rank")]
         else:
             pieces.append((name, layers + shape, "gauss"))
     return pieces
@@ -1009,11 +937,6 @@ def segment_noise(cfg: Config, seed, generation, segment, first, count: int):
 # ES step. Every array of a run carries a leading replica axis K (K = 1 for a single run). Members
 # are laid out as (repeats, distinct_pairs, 2): member p = 2 * pair + side (+ repeat * 2 *
 # distinct_pairs), side 0 adds the noise and side 1 subtracts it.
-
-
-def single(params):
-    """One model's parameters as a run of one replica's (a leading axis of 1)."""
-    return jax.tree.map(lambda p: jnp.asarray(p)[None], params)
 
 
 def remainders_chunk(pairs: int) -> int:
@@ -1164,21 +1087,17 @@ def z_thresholds(cfg: Config, alpha: float) -> np.ndarray:
     z = statistics.NormalDist().inv_cdf(1 - alpha / 2) if 1 - alpha / 2 < 1 else math.inf
     if cfg.optimizer == "adam":
         ratio = momentum_null_std(cfg) / u_null_std(cfg) * math.sqrt(math.pi / 2)
-        return np.minimum(np.round(z * ratio * 2.0 ** (SCALE_FRAC - cfg.scale_shift)), SCALE_MAX).astype(
-            np.int32
-        )
+        multiplier = np.round(z * ratio * 2.0 ** (SCALE_FRAC - cfg.scale_shift))
+        return np.minimum(multiplier, SCALE_MAX).astype(np.int32)
     stds = momentum_null_std(cfg) if cfg.optimizer == "momentum" else np.array(null_std(cfg))
     return np.minimum(np.floor(z * stds), INT32_MAX).astype(np.int32)
 
 
 def replica_inputs(cfg: Config, replicas: list[Replica], generation: int) -> tuple:
-    """The step's per-replica arguments at a generation: thresholds (K, 2), seeds (K,) and
-    sigma_shifts (K,), int32."""
-    thresholds = [z_thresholds(cfg, alpha_at(cfg, r, generation)) for r in replicas]
-    seeds, sigma_shifts = (
-        np.array([getattr(r, name) for r in replicas], np.int32) for name in ("seed", "sigma_shift")
-    )
-    return np.stack(thresholds), seeds, sigma_shifts
+    """The step's per-replica int32 arguments at a generation: thresholds (K, 2), seeds, sigma_shifts (K,)."""
+    thresholds = np.stack([z_thresholds(cfg, alpha_at(cfg, r, generation)) for r in replicas])
+    seeds, sigma_shifts = np.array([(r.seed, r.sigma_shift) for r in replicas], np.int32).T
+    return thresholds, seeds, sigma_shifts
 
 
 def z_statistic(noise, weights, cfg: Config):
@@ -1206,11 +1125,8 @@ def init_optimizer(cfg: Config) -> dict:
     mean 2**scale_shift E|u|. Empty for ztest."""
     v0 = np.round(2**cfg.scale_shift * u_null_std(cfg) * math.sqrt(2 / math.pi)).astype(int)
     start = {"m": lambda name: 0, "v": lambda name: int(v0[kind_of(name)])}
-    return {
-        f"{slot}/{name}": jnp.full(full_shape(name, cfg), start[slot](name), STATE)
-        for slot in optimizer_slots(cfg)
-        for name in PARAM_NAMES
-    }
+    slots = [(slot, name) for slot in optimizer_slots(cfg) for name in PARAM_NAMES]
+    return {f"{s}/{name}": jnp.full(full_shape(name, cfg), start[s](name), STATE) for s, name in slots}
 
 
 def standardise(z, shift: int):
@@ -1222,17 +1138,17 @@ def standardise(z, shift: int):
 
 def rule_step(z, u, m, v, threshold, cfg: Config):
     """(move, new m, new v) of each entry of one parameter under --optimizer:
-    ztest: sign(Z) where |Z| > threshold (u, m and v unused);
-    momentum: u = standardise(Z), m = m - round(m / 2**momentum_shift) + u; the entry moves
-    sign(m) x min(k, max_step) steps, k = floor(|m| / (threshold + 1)) the thresholds' worth m holds
-    (k >= 1 exactly where |m| > threshold), and m restarts at 0 where it moved: the evidence is
-    spent on the move (kept, m moved the same entry again and again: 0.2-0.3 bits/byte worse at 300
-    generations); adam: besides, v = v - round(v / 2**scale_shift) + |u|, and k = floor(|m|
-    2**SCALE_FRAC / (threshold v + 1)) (k >= 1 where |m| 2**SCALE_FRAC > threshold v), m restarting
-    likewise. Ranges: |u| <= 127, so |m| and v stay <= 127 x 2**shift <= 16256 for shifts <= 7
-    (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); |m| 2**SCALE_FRAC <
-    2**27 and threshold v < 2**16 x 2**14 (int32); a threshold of INT32_MAX (nothing moves) is
-    divided by as INT32_MAX, not overflowed."""
+       ztest: sign(Z) where |Z| > threshold (u, m and v unused);
+       momentum: u = standardise(Z), m = m - round(m / 2**momentum_shift) + u; the entry moves
+       sign(m) x min(k, max_step) steps, k = floor(|m| / (threshold + 1)) the thresholds' worth m holds
+       (k >= 1 exactly where |m| > threshold), and m restarts at 0 where it moved: the evidence is
+       spent on the move (docs/results.org); adam: besides, v = v - round(v / 2**scale_shift) + |u|,
+       and k = floor(|m| 2**SCALE_FRAC / (threshold v + 1)) (k >= 1 where |m| 2**SCALE_FRAC > threshold
+       v), m restarting likewise. Ranges:
+    |u| <= 127, so |m| and v stay <= 127 x 2**shift <= 16256 for shifts <= 7
+       (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); |m| 2**SCALE_FRAC <
+       2**27 and threshold v < 2**16 x 2**14 (int32); a threshold of INT32_MAX (nothing moves) is
+       divided by as INT32_MAX, not overflowed."""
     if cfg.optimizer == "ztest":
         return jnp.sign(z) * (jnp.abs(z) > threshold), m, v
     m = m.astype(i32) - round_shift(m, cfg.momentum_shift) + u
@@ -1272,9 +1188,8 @@ def apply_rule(params, opt, z: dict, weights, thresholds, cfg: Config):
     new, new_opt, moved = {}, {}, []
     for name in PARAM_NAMES:
         u = None if cfg.optimizer == "ztest" else standardise(z[name], shifts[kind_of(name)])
-        step, m, v = rule_step(
-            z[name], u, opt.get(f"m/{name}"), opt.get(f"v/{name}"), thresholds[kind_of(name)], cfg
-        )
+        m, v = opt.get(f"m/{name}"), opt.get(f"v/{name}")
+        step, m, v = rule_step(z[name], u, m, v, thresholds[kind_of(name)], cfg)
         new_opt.update({f"{slot}/{name}": x for slot, x in (("m", m), ("v", v)) if x is not None})
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
@@ -1322,10 +1237,8 @@ def noise_sources(cfg: Config, seeds, generation, start, distinct: int):
     noise = jax.vmap(lambda seed: generation_noise(cfg, seed, generation))(seeds)  # (K, S D, ...)
 
     def noise_of(segment):
-        return jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, segment * cfg.distinct_pairs + offset, distinct, 1),
-            noise,
-        )
+        first = segment * cfg.distinct_pairs + offset
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, distinct, 1), noise)
 
     def z_of(weights):
         return jax.vmap(partial(z_statistics, cfg=cfg))(noise, weights.reshape(weights.shape[0], -1))
@@ -1371,9 +1284,8 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
     of every replica (states and fitness are sharded on their member axis); the one collective
     gathers every pair's int8 score in every segment (half a byte per member and segment); then
     every device rebuilds all the noise from its counters and applies the identical update to its
-    replicated parameters and update rule state. For --benchmark, part="fitness" stops before the
-    update and part="inference" runs the same members and tokens without noise.
-    """
+    replicated parameters and update rule state. For bench.py, part="fitness" stops before the
+    update and part="inference" runs the same members and tokens without noise."""
     members = cfg.population // cfg.devices  # per device
     distinct = min(cfg.distinct_pairs, members // 2)  # distinct noises a device evaluates
     by_replica = jax.vmap  # over the leading replica axis of every argument
@@ -1392,9 +1304,8 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
         scores = jax.lax.all_gather(shaped, POP, axis=2, tiled=True)  # (K, S, pairs)
         weights = by_replica(partial(pair_weights, cfg=cfg))(scores.reshape(scores.shape[0], -1))  # (K, S, D)
         flat = weights.reshape(weights.shape[0], -1)
-        params, opt, moved = by_replica(partial(apply_rule, cfg=cfg))(
-            params, opt, z_of(weights), flat, thresholds
-        )
+        update = by_replica(partial(apply_rule, cfg=cfg))
+        params, opt, moved = update(params, opt, z_of(weights), flat, thresholds)
         return params, opt, states, jnp.sum(fitness, axis=0), moved
 
     step = jax.shard_map(
@@ -1408,9 +1319,8 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh, part: str = "trai
 
 
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
-    """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, L)
-    uint8) -> (K, R), the rows spread over the devices (R a multiple of twice their number), the
-    result replicated."""
+    """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, L) uint8)
+    -> (K, R), the rows spread over the devices (R a multiple of twice their number), replicated."""
 
     def evaluate(params, rows):
         h = jnp.zeros((cfg.replicas, rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
@@ -1458,7 +1368,9 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     z_matrix *= b_max if cfg.use_clt else 1
     if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries as a vector's does
         x_b, u_a, z_matrix = 0, INT8_MAX * a_max * n_in, z_vector
-    repeats = cfg.population // (2 * cfg.distinct_pairs)
+    squares = noise_pairs(cfg) * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
+    remainders = 0 if cfg.fast_fitness else (-(-pairs // remainders_chunk(pairs)) + cfg.devices) * pairs
+    largest = max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES)
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
@@ -1469,18 +1381,9 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         "Z of a vector entry": (z_vector, SMALLER_POPULATION),
         # counted whether or not --null_from_scores computes it, so that --segments 0 picks one
         # count for a configuration whatever that flag says
-        "sum of squared pair weights (--null_from_scores)": (
-            noise_pairs(cfg) * (repeats * score_max) ** 2,
-            SMALLER_POPULATION,
-        ),
-        "sum of |pair difference| mod pairs (normalised fitness), over its chunks": (
-            0 if cfg.fast_fitness else (-(-pairs // remainders_chunk(pairs)) + cfg.devices) * pairs,
-            SMALLER_POPULATION,
-        ),
-        "count of moved entries of one layer's tensor": (
-            max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES),
-            "a smaller --n_embd",
-        ),
+        "sum of squared pair weights (--null_from_scores)": (squares, SMALLER_POPULATION),
+        "sum of |pair difference| mod pairs (normalised fitness)": (remainders, SMALLER_POPULATION),
+        "count of moved entries of one layer's tensor": (largest, "a smaller --n_embd"),
     }
 
 
@@ -1496,17 +1399,14 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
     shards, gpu = max(args.hosts.cpu_devices, 1), platform in ("gpu", "cuda", "rocm")
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
-    kernels = {"xla": "xla", "pallas": "pallas" if gpu else "interpret"}.get(
-        args.kernels, "pallas" * gpu or "xla"
-    )
+    auto = "pallas" if gpu else "xla"  # --kernels auto
+    kernels = {"xla": "xla", "pallas": "pallas" if gpu else "interpret"}.get(args.kernels, auto)
+    segments = min(args.segments or AUTO_SEGMENTS, args.tokens_per_update)
     derived = dict(population=population, tokens=args.tokens_per_update, devices=devices, kernels=kernels)
-    derived |= dict(
-        segments=min(args.segments or AUTO_SEGMENTS, args.tokens_per_update), noise_per_segment=gpu
-    )
+    derived |= dict(segments=segments, noise_per_segment=gpu, replicas=args.replication.replicas)
     derived["distinct_pairs"] = (args.num_perturbations or population) // 2
-    cfg = Config(
-        **{k: derived.get(k, getattr(args, k, None)) for k in Config._fields}
-    )  # else as the flag says
+    # the rest as the flags of the same names say
+    cfg = Config(**{k: derived[k] if k in derived else getattr(args, k) for k in Config._fields})
     while not args.segments and cfg.segments > 1 and max(accumulator_bounds(cfg).values())[0] > INT32_MAX:
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
     return cfg._replace(max_step=args.max_step or (2 if scored_pairs(cfg) >= STEP2_PAIRS else 1))
@@ -1526,55 +1426,48 @@ REPLICA_SETTINGS = Replica._fields[1:]  # what each replica sets for itself (--r
 
 def replicas_of(args: Args) -> list[Replica]:
     """Each replica's settings: seed --seed + its index, the rest its --replica_NAME value, else --NAME."""
-    given = {
-        name: getattr(args, f"replica_{name}") or (getattr(args, name),) * args.replicas
-        for name in REPLICA_SETTINGS
-    }
-    return [
-        Replica(args.seed + k, *(given[name][k] for name in REPLICA_SETTINGS)) for k in range(args.replicas)
-    ]
+    rep = args.replication
+    count = rep.replicas
+    given = {k: getattr(rep, f"replica_{k}") or (getattr(args, k),) * count for k in REPLICA_SETTINGS}
+    return [Replica(args.seed + r, *(given[k][r] for k in REPLICA_SETTINGS)) for r in range(count)]
 
 
 def single_run(args: Args, **changes) -> Args:
     """These flags without replicas (and PBT), with `changes`."""
     lists = {f"replica_{name}": () for name in REPLICA_SETTINGS}
-    return dataclasses.replace(args, **{"replicas": 1, "pbt_every": 0, **lists, **changes})
+    return replace(args, **{"replicas": 1, "pbt_every": 0, **lists, **changes})
 
 
 def check_bounds(cfg: Config) -> None:
     """Refuse a configuration whose int32 accumulators could overflow (accumulator_bounds)."""
     for name, (bound, remedy) in accumulator_bounds(cfg).items():
         if bound > INT32_MAX:
-            raise UserError(
-                f"the {name} could reach {bound:,} > 2**31 - 1 (int32) with this config: use {remedy}"
-            )
+            raise UserError(f"the {name} could reach {bound:,} > 2**31 - 1 (int32): use {remedy}")
 
 
 def check_args(args: Args) -> None:
     """Refuse a bad configuration with one clear line, naming the flag, before anything is compiled."""
     check_ranges(args)
-    p, g, n, hosts = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations, args.hosts
-    refusals = {
-        f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}": p % 2,
-        f"--group_size must be even and divide the population {p}, got {g}": g % 2 or p % g,
-        f"--num_perturbations must be even and divide the population {p}, got {n}": n and (n % 2 or p % n),
-        f"--n_embd must be a multiple of 4, got {args.n_embd}": args.n_embd % 4,
-        f"--proc_id must be below --num_procs, got {hosts.proc_id} of {hosts.num_procs}": hosts.proc_id
-        >= hosts.num_procs,
-        f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {args.replicas}": (
-            args.pbt_every and args.replicas < 4
-        ),
-    }
-    for name in REPLICA_SETTINGS:
-        count = len(getattr(args, f"replica_{name}"))
-        refusals[
-            f"--replica_{name} has {count} value(s): give one per replica (--replicas {args.replicas})"
-        ] = count and count != args.replicas
-    for refusal in (text for text, refused in refusals.items() if refused):
+    p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
+    rep = args.replication
+    k, proc, procs = rep.replicas, args.hosts.proc_id, args.hosts.num_procs
+    pbt_refusal = f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {k}"
+    refusals = [
+        (p % 2, f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}"),
+        (g % 2 or p % g, f"--group_size must be even and divide the population {p}, got {g}"),
+        (n and (n % 2 or p % n), f"--num_perturbations must be even and divide the population {p}, got {n}"),
+        (args.n_embd % 4, f"--n_embd must be a multiple of 4, got {args.n_embd}"),
+        (proc >= procs, f"--proc_id must be below --num_procs, got {proc} of {procs}"),
+        (rep.pbt_every and k < 4, pbt_refusal),
+    ]
+    for name, given in ((name, len(getattr(rep, f"replica_{name}"))) for name in REPLICA_SETTINGS):
+        one_each = f"give one per replica (--replicas {k})"
+        refusals.append((given and given != k, f"--replica_{name} has {given} value(s): {one_each}"))
+    for refusal in (text for refused, text in refusals if refused):
         raise UserError(refusal)
     for k, replica in enumerate(replicas_of(args)):
         for name in REPLICA_SETTINGS:
-            check_range(Args, name, getattr(replica, name), f" (replica {k})" if args.replicas > 1 else "")
+            check_range(Args, name, getattr(replica, name), f" (replica {k})" if rep.replicas > 1 else "")
     check_bounds(make_config(args))
 
 
@@ -1585,6 +1478,7 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
     if cfg.optimizer == "adam":
         return
     bounds, ztest = accumulator_bounds(cfg), cfg.optimizer == "ztest"
+    statistic, remedy = "|Z|" if ztest else "running sum |m|", "use a larger --alpha or population"
     for replica in replicas:
         thresholds = z_thresholds(cfg, alpha_at(cfg, replica, 0))
         for kind, threshold in zip(("matrix", "vector"), thresholds, strict=True):
@@ -1592,8 +1486,8 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
             if threshold >= reach:
                 raise UserError(
                     f"--alpha {replica.alpha:g} at population {cfg.population}: the Z-test threshold "
-                    f"{threshold:,} is beyond the largest {'|Z|' if ztest else 'running sum |m|'} a {kind} entry "
-                    f"can reach ({reach:,}), so nothing would ever move; use a larger --alpha or population"
+                    f"{threshold:,} is beyond the largest {statistic} a {kind} entry can reach ({reach:,}), "
+                    f"so nothing would ever move; {remedy}"
                 )
 
 
@@ -1601,16 +1495,13 @@ def parse_args(argv: list[str], cls: type = None) -> Args:
     """Args (or a subclass's flags: bench.py's) from the command line (egg/flags.py: tyro's forms,
     the sweeps' booleans, the --algorithm upstream preset)."""
     if flag_given(argv, "benchmark"):
-        raise UserError(
-            "--benchmark: run python bench.py with the same flags (--target h100: the GPU report)"
-        )
+        raise UserError("--benchmark: run python bench.py with the same flags (with --target h100: the GPU)")
     return parse(cls or Args, argv)
 
 
 # ------------------------------------------------------------------------------------------------
-# Data stream: what every generation reads of the training bytes (egg/corpora.py opens them, a
-# read-only memory-mapped uint8 array whose documents are separated by byte 0), and the validation
-# rows.
+# Data stream: what every generation reads of the training bytes (egg/corpora.py opens them: a
+# read-only memory-mapped uint8 array, documents separated by byte 0), and the validation rows.
 
 
 class Stream(NamedTuple):
@@ -1661,7 +1552,27 @@ def open_data(args: Args) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) bytes of --data (egg/corpora.py), at least two validation rows' worth held
     out when --data itself is cut."""
     held_out = 2 * args.validation_batch_size
-    return corpora.open_data(args.data, args.valid_data, args.dir_path, args.valid_fraction, held_out)
+    corpus = args.corpus
+    return corpora.open_data(corpus.data, corpus.valid_data, corpus.dir_path, corpus.valid_fraction, held_out)
+
+
+class Data(NamedTuple):
+    """A run's bytes: for training, and the validation rows with what the baselines reach on them."""
+
+    train: np.ndarray  # read-only, memory-mapped
+    stream: Stream  # where every generation reads it
+    valid_rows: np.ndarray  # (rows, L) uint8
+    rows: jax.Array  # the same, padded to an even share per device, spread over the devices
+    baselines: dict[str, float]  # bits/byte of a unigram and a bigram model and gzip (egg/corpora.py)
+
+
+def read_data(args: Args, cfg: Config, mesh) -> Data:
+    train, valid = open_data(args)
+    stream, valid_rows = make_stream(len(train), cfg), validation_rows(valid, args)
+    padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
+    rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, jax.sharding.PartitionSpec(POP))
+    baselines = corpora.cached_baselines(train, valid_rows, args.corpus.dir_path)
+    return Data(train, stream, valid_rows, rows, baselines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1671,14 +1582,12 @@ def open_data(args: Args) -> tuple[np.ndarray, np.ndarray]:
 
 @cache
 def make_reader(cfg: Config, collect: bool = False):
-    """One model (parameters without the replica axis) reading bytes noise-free, jitted:
-    read(params, states (M, L, n), inputs (M, T) uint8) -> (states, the last byte's logits (M, 256)
-    int8, and with `collect` every byte's activations as forward gives them)."""
+    """One model (no replica axis) reading bytes noise-free, jitted: read(params, states (M, L, n),
+    inputs (M, T) uint8) -> (states, the last byte's logits (M, 256) int8, with `collect` all else)."""
 
     def read(params, states, inputs):
-        _, states, logits, seen = forward(
-            single(params), None, states[None], inputs, inputs, None, cfg, collect
-        )
+        params = jax.tree.map(lambda p: jnp.asarray(p)[None], params)  # a run of one replica
+        _, states, logits, seen = forward(params, None, states[None], inputs, inputs, None, cfg, collect)
         return states[0], logits[0], seen
 
     return jax.jit(read)
@@ -1686,9 +1595,8 @@ def make_reader(cfg: Config, collect: bool = False):
 
 def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
     """Continue --prompt by --max_new_bytes bytes (egg/sampling.py draws them, deterministic for a
-    seed). The prompt is read after a byte 0, the document separator the model saw before every
-    document; then one byte a call, its logits (log2-probabilities at LOGIT_FRAC) read on the host
-    (a sync point) as bits."""
+    seed), read after a byte 0 (the document separator); then one byte a call, its logits
+    (log2-probabilities at LOGIT_FRAC) read on the host as bits: a sync point."""
     read, h = make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
 
     def next_bits(data: bytes) -> np.ndarray:
@@ -1711,76 +1619,36 @@ def activations(params, rows: np.ndarray, cfg: Config) -> dict:
     return out
 
 
-def moved_shares(cfg: Config, moved: np.ndarray) -> dict[str, float]:
-    """Each parameter's share of entries that moved, from one replica's counts (apply_rule's: each
-    tensor's, a block parameter's layer by layer)."""
-    layers = [cfg.n_layer if name in BLOCK_NAMES else 1 for name in PARAM_NAMES]
-    counts = np.split(np.asarray(moved, np.int64), np.cumsum(layers)[:-1])
-    return {
-        name: int(c.sum()) / math.prod(full_shape(name, cfg))
-        for name, c in zip(PARAM_NAMES, counts, strict=True)
-    }
-
-
 # ------------------------------------------------------------------------------------------------
 # Loop: a run is opened (every refusal before it creates anything), compiled ahead of time, then
-# trained generation by generation, validating, exploiting (PBT), diagnosing, sampling, logging and
-# saving on the generations the flags say. The host never holds the device up: generation N + 1 is
-# dispatched before N's numbers are read, and the host waits for the device only where it reads
-# its values (each such place says "sync point").
-
-
-def default_run_name(args: Args) -> str:
-    data = Path(args.data).name or "data"
-    name = (
-        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
-        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
-    )
-    name += "-upstream" * (args.algorithm == "upstream")
-    return f"{name}-{args.tracking.tag}" if args.tracking.tag else name
-
-
-def run_folder(args: Args) -> Path:
-    """<runs_dir>/<run_name>: the run's record (and by default its checkpoints)."""
-    return Path(args.tracking.runs_dir) / (args.tracking.run_name or default_run_name(args))
-
-
-def save_dir_of(args: Args) -> Path:
-    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
-    return Path(args.checkpointing.save_dir or run_folder(args) / "checkpoints")
+# trained, validating, exploiting (PBT), diagnosing, sampling, logging and saving where the flags
+# say. The host never holds the device up: generation N + 1 is dispatched before N's numbers are
+# read, and the host waits for the device only where it reads its values ("sync point").
 
 
 def expected_arrays(cfg: Config) -> checkpoints.Expected:
     """What a run of this configuration reads from a checkpoint (egg/checkpoints.py)."""
     opt = {f"{slot}/{k}": full_shape(k, cfg) for slot in optimizer_slots(cfg) for k in PARAM_NAMES}
     states, model = (cfg.population, cfg.n_layer, cfg.n_embd), f"{cfg.n_embd}D-{cfg.n_layer}L"
-    return checkpoints.Expected(
-        {k: full_shape(k, cfg) for k in PARAM_NAMES}, opt, states, cfg.replicas, model
-    )
+    params = {k: full_shape(k, cfg) for k in PARAM_NAMES}
+    return checkpoints.Expected(params, opt, states, cfg.replicas, model)
 
 
-class Resumed(NamedTuple):
-    carry: tuple  # (params, opt, states), each with the replica axis
-    replicas: list[Replica] | None  # the replicas' settings as PBT left them (None: from the flags)
-    found: checkpoints.Found  # its folder, meta and the changes --allow_changes accepted
-
-
-def resume_from(args: Args, save_dir: Path, cfg: Config, identity: dict, writer: bool) -> Resumed | None:
-    """The checkpoint to continue from (egg/checkpoints.py finds and checks it), or None for a fresh
-    run; states or update rule state that cannot carry over start afresh."""
+def starting_point(args: Args, save_dir: Path, cfg: Config, identity: dict, writer: bool) -> tuple:
+    """(params, opt, states) on the host, each with the replica axis, the replicas' settings, and the
+    checkpoint continued (egg/checkpoints.py finds and checks it) or None: a fresh run's, or the
+    checkpoint's, whose states or update rule state start afresh where they cannot carry over."""
     how, allow, acting = args.checkpointing.resume, args.checkpointing.allow_changes, partial(acts, Args)
     found = checkpoints.resume(how, save_dir, expected_arrays(cfg), identity, acting, allow, writer)
     if found is None:
-        return None
-    _, opt, states = init_run(cfg, replicas_of(args))
-    opt, states = (
-        (opt if found.opt is None else found.opt),
-        (states if found.states is None else found.states),
-    )
+        return init_run(cfg, replicas_of(args)), replicas_of(args), None
+    fresh = init_run(cfg, replicas_of(args)) if found.opt is None or found.states is None else None
+    opt = fresh[1] if found.opt is None else found.opt
+    states = fresh[2] if found.states is None else found.states
     # the checkpoint's settings, as PBT left them, unless --allow_changes accepted new ones
     replica_flags = ("seed", *REPLICA_SETTINGS, *(f"replica_{name}" for name in REPLICA_SETTINGS))
     kept = None if any(k in found.changes for k in replica_flags) else found.meta.get("replica_settings")
-    return Resumed((found.params, opt, states), kept and [Replica(**x) for x in kept], found)
+    return (found.params, opt, states), [Replica(**x) for x in kept] if kept else replicas_of(args), found
 
 
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh]:
@@ -1806,6 +1674,15 @@ def compile_generation(cfg: Config, mesh, part: str, carry: tuple, batch, inputs
     return compile_now(make_generation_step(cfg, mesh, part).lower(*carry, batch, np.int32(0), *inputs))
 
 
+class Progress(NamedTuple):
+    """What changes as a run trains, besides the generation."""
+
+    carry: tuple  # (params, opt, states) on the mesh, each with the replica axis
+    replicas: list[Replica]  # each replica's settings (PBT moves them)
+    scores: list[float]  # each replica's last validation bits/byte
+    leader: int  # the best replica by that validation
+
+
 class Run(NamedTuple):
     """What a training run sets up before its first generation."""
 
@@ -1813,13 +1690,11 @@ class Run(NamedTuple):
     cfg: Config
     mesh: jax.sharding.Mesh
     writer: bool  # process 0: it alone prints, logs and writes checkpoints
-    train_bytes: np.ndarray
-    stream: Stream
-    valid_rows: np.ndarray  # (rows, L) uint8
-    rows: jax.Array  # the same, padded to an even share per device, spread over the devices
-    baselines: dict[str, float]
+    data: Data
     checkpointer: checkpoints.Checkpointer
-    resumed: Resumed | None
+    resumed: checkpoints.Found | None  # the checkpoint continued: its folder, meta and accepted changes
+    start: int  # the first generation: 0, or the checkpoint's
+    progress: Progress  # its arrays on the mesh and the replicas' settings
 
 
 def open_run(args: Args) -> Run:
@@ -1830,50 +1705,23 @@ def open_run(args: Args) -> Run:
     cfg = mesh_config(args, mesh)
     check_bounds(cfg)
     check_z_test(cfg, replicas_of(args))
-    writer, save_dir = jax.process_index() == 0, save_dir_of(args)
-    train_bytes, valid_bytes = open_data(args)
-    stream, valid_rows = make_stream(len(train_bytes), cfg), validation_rows(valid_bytes, args)
-    identity = checkpoints.training_identity(args, cfg.population, cfg.max_step, train_bytes)
-    resumed = resume_from(args, save_dir, cfg, identity, writer)
-    keep, flags = args.checkpointing.keep_checkpoints, flat(args)
-    checkpointer = checkpoints.Checkpointer(save_dir, flags, keep, identity, writer)
+    writer, save_dir, data = jax.process_index() == 0, save_dir_of(args), read_data(args, cfg, mesh)
+    identity = checkpoints.training_identity(args, cfg.population, cfg.max_step, data.train)
+    carry, replicas, resumed = starting_point(args, save_dir, cfg, identity, writer)
+    keep = args.checkpointing.keep_checkpoints
+    checkpointer = checkpoints.Checkpointer(save_dir, flat(args), keep, identity, writer)
     if writer:
         checkpointer.check_writable()
         writable_folder(run_folder(args), "metrics to --runs_dir")
-    baselines = corpora.cached_baselines(train_bytes, valid_rows, args.dir_path)
-    padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
-    rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, jax.sharding.PartitionSpec(POP))
-    return Run(
-        args, cfg, mesh, writer, train_bytes, stream, valid_rows, rows, baselines, checkpointer, resumed
-    )
-
-
-class Progress(NamedTuple):
-    """What changes as a run trains, besides the generation."""
-
-    carry: tuple  # (params, opt, states) on the mesh, each with the replica axis
-    replicas: list[Replica]  # each replica's settings (PBT moves them)
-    scores: list[float]  # each replica's last validation bits/byte
-    leader: int  # the best replica by that validation
-
-
-def starting_point(run: Run, log) -> Progress:
-    """The run's starting arrays on the mesh: a fresh start's, or the checkpoint's."""
-    resumed, cfg, replicas = run.resumed, run.cfg, replicas_of(run.args)
-    carry = init_run(cfg, replicas) if resumed is None else resumed.carry
     if resumed is not None:
-        replicas, found = resumed.replicas or replicas, resumed.found
-        run.checkpointer.best = found.meta.get("best_val_bits_per_byte", math.inf)
-        log(f"resuming from {found.folder} at generation {found.meta['generation']}")
-        if found.changes:
-            log(
-                f"continuing with changed settings (--allow_changes): {checkpoints.describe_changes(found.changes)}"
-            )
-    return Progress(on_mesh(carry, run.mesh), replicas, [math.nan] * cfg.replicas, 0)
+        checkpointer.best = resumed.meta.get("best_val_bits_per_byte", math.inf)
+    progress = Progress(on_mesh(carry, mesh), replicas, [math.nan] * cfg.replicas, 0)
+    start = resumed.meta["generation"] if resumed else 0
+    return Run(args, cfg, mesh, writer, data, checkpointer, resumed, start, progress)
 
 
 def batch_on_mesh(run: Run, generation: int) -> jax.Array:
-    return global_array(batch_at(run.train_bytes, run.stream, run.cfg, generation), run.mesh, REPLICATED)
+    return global_array(batch_at(run.data.train, run.data.stream, run.cfg, generation), run.mesh, REPLICATED)
 
 
 def announce(run: Run, compiled: Compiled, log) -> None:
@@ -1886,22 +1734,18 @@ def announce(run: Run, compiled: Compiled, log) -> None:
         f"egg-jax {run_folder(run.args).name}: {replicas}{num_parameters(cfg):,} int8 parameters, population "
         f"{cfg.population} on {run.mesh.size} {jax.devices()[0].platform} device(s){split} in "
         f"{jax.process_count()} process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs "
-        f"an update){steps}, {len(run.train_bytes):,} training bytes, {run.valid_rows.size:,} validation bytes"
+        f"an update){steps}, {len(run.data.train):,} training bytes, "
+        f"{run.data.valid_rows.size:,} validation bytes"
     )
     log(
         f"generation step compiled in {compiled.seconds:.1f} s: {compiled.traffic:,} bytes of cross-device "
         f"traffic per generation and device, {compiled.temporaries:,.1f} MiB of temporaries"
     )
-    log(f"baselines on the validation bytes, in bits/byte: {corpora.describe_baselines(run.baselines)}")
+    log(f"baselines on the validation bytes, in bits/byte: {corpora.describe_baselines(run.data.baselines)}")
 
 
 def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
     return -float(log2_likelihood_sum) / (num_tokens * 2**LL_FRAC)
-
-
-def settings_of(replicas: list[Replica]) -> list[dict]:
-    """Each replica's own settings as a record names them (its seed left out)."""
-    return [{name: getattr(r, name) for name in REPLICA_SETTINGS} for r in replicas]
 
 
 class InFlight(NamedTuple):
@@ -1919,9 +1763,8 @@ def dispatch(run: Run, compiled: Compiled, progress: Progress, generation: int, 
     progress holding its future arrays, and the generation in flight."""
     inputs, tick = replica_inputs(run.cfg, progress.replicas, generation), time.time()
     *carry, fitness, moved = compiled.step(*progress.carry, batch, np.int32(generation), *inputs)
-    return progress._replace(carry=tuple(carry)), InFlight(
-        generation, fitness, moved, progress.replicas, tick
-    )
+    flight = InFlight(generation, fitness, moved, progress.replicas, tick)
+    return progress._replace(carry=tuple(carry)), flight
 
 
 def generation_metrics(run: Run, flight: InFlight, console: record.Console) -> tuple[dict, np.ndarray]:
@@ -1942,18 +1785,13 @@ def generation_metrics(run: Run, flight: InFlight, console: record.Console) -> t
         for f, m, r in zip(fitness, moved, flight.replicas, strict=True)
     ]
     tokens = cfg.population * cfg.tokens * cfg.replicas
-    metrics = replica_metrics(per_replica, settings_of(flight.replicas))
+    metrics = replica_metrics(per_replica, flight.replicas)
     return {**metrics, "perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}, moved
 
 
 def replica_of(tree, k: int):
     """Replica k's arrays: one model's, without the replica axis."""
     return jax.tree.map(lambda x: x[k], tree)
-
-
-def snapshot(carry: tuple) -> tuple:
-    """Host copies of (params, opt, states), every replica (every process takes part: a sync point)."""
-    return jax.tree.map(host_copy, carry)
 
 
 def due(every: int, done: int) -> bool:
@@ -1971,33 +1809,32 @@ class Due(NamedTuple):
 
 def due_after(args: Args, done: int, stopping: bool) -> Due:
     last = done == args.num_epochs
-    validate = last or due(args.validate_every, done) or due(args.pbt_every, done)
-    diagnose = due(args.diagnosis.log_every or 10 * args.diagnosis.debug, done)
+    validate = last or due(args.validate_every, done) or due(args.replication.pbt_every, done)
+    diagnose = due(args.health.log_every or 10 * args.health.debug, done)
     save = last or stopping or due(args.checkpointing.save_every, done)
-    return Due(validate, diagnose, due(args.sampling.sample_every, done), save)
+    return Due(validate, diagnose, due(args.sampler.sample_every, done), save)
 
 
 def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> tuple[Progress, dict]:
     """Validate every replica noise-free (a sync point), keep the best model, and with PBT due,
     exploit and explore."""
-    rows, replicas, carry = run.valid_rows, progress.replicas, progress.carry
-    ll = host_copy(evaluate(carry[0], run.rows))[:, : len(rows)]
+    rows, replicas, carry = run.data.valid_rows, progress.replicas, progress.carry
+    ll = host_copy(evaluate(carry[0], run.data.rows))[:, : len(rows)]
     scores = [bits_per_byte(np.sum(x, dtype=np.int64), rows.shape[0] * (rows.shape[1] - 1)) for x in ll]
     leader = min(range(len(scores)), key=lambda k: (scores[k], k))
-    metrics = replica_metrics([{"val/bits_per_byte": v} for v in scores], settings_of(replicas))
-    metrics |= {f"val/{k}_bits_per_byte": v for k, v in run.baselines.items()}
-    baselines = corpora.describe_baselines(run.baselines)
-    log(
-        f"generation {done}: validation {scores[leader]:.2f} bits/byte{describe_spread(scores)} ({baselines})"
-    )
+    metrics = replica_metrics([{"val/bits_per_byte": v} for v in scores], replicas)
+    metrics |= {f"val/{k}_bits_per_byte": v for k, v in run.data.baselines.items()}
+    baselines = corpora.describe_baselines(run.data.baselines)
+    spread = describe_spread(scores)
+    log(f"generation {done}: validation {scores[leader]:.2f} bits/byte{spread} ({baselines})")
     if scores[leader] < run.checkpointer.best:
         which = {"replica": leader, "replica_setting": replicas[leader]._asdict()} if len(scores) > 1 else {}
-        run.checkpointer.offer_best(done, replica_of(snapshot(carry), leader), scores[leader], which)
-    if due(run.args.pbt_every, done):
+        best = replica_of(jax.tree.map(host_copy, carry), leader)  # every process takes part: a sync point
+        run.checkpointer.offer_best(done, best, scores[leader], which)
+    if due(run.args.replication.pbt_every, done):
         sigma = facts_of(Args)["sigma_shift"]
-        source, replicas, lineage = pbt.pbt_step(
-            scores, replicas, run.args.seed, done, (sigma.low, sigma.high)
-        )
+        explore = (scores, replicas, run.args.seed, done, (sigma.low, sigma.high))
+        source, replicas, lineage = pbt.pbt_step(*explore)
         carry, metrics["pbt/lineage"] = pbt.copy_replicas(carry, source), lineage
         log(f"generation {done}: population-based training: {pbt.describe_lineage(lineage)}")
     return Progress(carry, replicas, scores, leader), metrics
@@ -2005,21 +1842,20 @@ def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> 
 
 def diagnostics_phase(run: Run, params, moved: np.ndarray, replicas: list[Replica], done: int, log) -> dict:
     """diag/ metrics of every replica (and with --debug their tables): a sync point."""
-    per_replica = []
+    per_replica, shapes = [], {k: full_shape(k, run.cfg) for k in PARAM_NAMES}
+    tensors = {k: (shape[0] if k in BLOCK_NAMES else 1, math.prod(shape)) for k, shape in shapes.items()}
     for k in range(run.cfg.replicas):
         model = replica_of(params, k)
-        seen = jax.tree.map(host_copy, activations(model, run.valid_rows[:16, :65], run.cfg))
-        shares = moved_shares(run.cfg, moved[k])
+        seen = jax.tree.map(host_copy, activations(model, run.data.valid_rows[:16, :65], run.cfg))
+        shares = diagnosis.moved_shares(moved[k], tensors)  # as apply_rule counts them
         per_replica.append(diagnosis.diagnostics(seen, jax.tree.map(host_copy, model), shares, INT8_MAX))
-        if run.args.diagnosis.debug:
+        if run.args.health.debug:
             who = f" replica {k}" if run.cfg.replicas > 1 else ""
             log(f"generation {done}{who} diagnostics:\n{diagnosis.diagnostics_table(per_replica[-1])}")
-    return replica_metrics(per_replica, settings_of(replicas), summary=False)
+    return replica_metrics(per_replica, replicas, summary=False)
 
 
-def host_work(
-    run: Run, evaluate, progress: Progress, done: int, moved, todo: Due, stopping: bool, log
-) -> tuple:
+def host_work(run: Run, evaluate, progress: Progress, done: int, moved, todo: Due, stopping: bool, log):
     """What follows a generation where the flags say (todo): validation (and PBT), diagnostics, a
     sample, a checkpoint. Returns the progress and the metrics."""
     args, metrics = run.args, {}
@@ -2029,15 +1865,16 @@ def host_work(
         metrics |= diagnostics_phase(run, progress.carry[0], moved, progress.replicas, done, log)
     if todo.sample:
         model = replica_of(progress.carry[0], progress.leader)
-        text = sampling.printable(sample_text(model, run.cfg, args.sampling, args.seed + done))
-        log(f"generation {done} sample: {args.sampling.prompt}{text}")
+        text = sampling.printable(sample_text(model, run.cfg, args.sampler, args.seed + done))
+        log(f"generation {done} sample: {args.sampler.prompt}{text}")
         metrics["samples/text"] = text
     if todo.save:
         scores, leader, meta = progress.scores, progress.leader, {}
         if run.cfg.replicas > 1:
             meta = {"replica_settings": [r._asdict() for r in progress.replicas], "best_replica": leader}
             meta["replica_val_bits_per_byte"] = scores
-        folder = run.checkpointer.save(done, snapshot(progress.carry), scores[leader], meta)
+        arrays = jax.tree.map(host_copy, progress.carry)  # every process takes part: a sync point
+        folder = run.checkpointer.save(done, arrays, scores[leader], meta)
         if stopping:  # every process says so: they all stop after the same generation
             print(f"process {jax.process_index()} stopped by signal after generation {done}: saved {folder}")
     return progress, metrics
@@ -2053,30 +1890,31 @@ def finish(run: Run, progress: Progress, metrics: dict, stopped: bool, console: 
         if cfg.replicas > 1:
             setting = pbt.settings_text(progress.replicas[leader]._asdict())
             which = f" (replica {leader} of {cfg.replicas}, {setting}){describe_spread(scores)}"
-        console.log(
-            f"validation bits/byte {scores[leader]:.4f} after {run.args.num_epochs} generations{which}"
-        )
+        epochs = run.args.num_epochs
+        console.log(f"validation bits/byte {scores[leader]:.4f} after {epochs} generations{which}")
     return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
 
 
 def train(args: Args) -> dict:
     """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
     started, run = time.time(), open_run(args)
-    args, cfg, start = run.args, run.cfg, run.resumed.found.meta["generation"] if run.resumed else 0
+    args, cfg, start, progress, resumed = run.args, run.cfg, run.start, run.progress, run.resumed
     console = record.Console(args.num_epochs, start, run.writer, started)
-    progress = starting_point(run, console.log)
+    changes = checkpoints.describe_changes(resumed.changes) if resumed else ""
+    if resumed is not None:
+        console.log(f"resuming from {resumed.folder} at generation {start}")
+    if changes:
+        console.log(f"continuing with changed settings (--allow_changes): {changes}")
     if start >= args.num_epochs:
-        console.log(
-            f"nothing to do: the checkpoint is at generation {start}, --num_epochs is {args.num_epochs}"
-        )
+        console.log(f"nothing to do: the checkpoint is at generation {start}, --num_epochs {args.num_epochs}")
         return finish(run, progress, {}, True, console)
     batch, inputs = batch_on_mesh(run, start), replica_inputs(cfg, progress.replicas, start)
     compiled = compile_generation(cfg, run.mesh, "train", progress.carry, batch, inputs)
     announce(run, compiled, console.log)
-    summary, config = {f"baseline/{k}": v for k, v in run.baselines.items()}, flat(args)
+    summary, config = {f"baseline/{k}": v for k, v in run.data.baselines.items()}, flat(args)
     console.record = record.RunRecord(run_folder(args), config, summary, start, run.writer, args.tracking)
-    if run.resumed is not None and run.resumed.found.changes:
-        console.record.log({"resume/changed": checkpoints.describe_changes(run.resumed.found.changes)}, start)
+    if changes:
+        console.record.log({"resume/changed": changes}, start)
     evaluate = make_evaluate(cfg, run.mesh)  # compiled on first use
     metrics, stopping, flight = {}, False, None
     with StopSignal() as stop:
@@ -2091,9 +1929,8 @@ def train(args: Args) -> dict:
                 flight, stopping = sent, stop_requested(stop)
                 if any(todo := due_after(args, done, stopping)):  # this generation's values are needed now
                     metrics, moved = generation_metrics(run, flight, console)
-                    progress, found = host_work(
-                        run, evaluate, progress, done, moved, todo, stopping, console.log
-                    )
+                    work = (evaluate, progress, done, moved, todo, stopping, console.log)
+                    progress, found = host_work(run, *work)
                     console.show(metrics := {**metrics, **found}, done, *progress[2:])
                     flight = None
             if stopping:
@@ -2111,7 +1948,7 @@ def train(args: Args) -> dict:
 
 def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by the model of --resume."""
-    flags, resume = args.sampling, args.checkpointing.resume
+    flags, resume = args.sampler, args.checkpointing.resume
     if not resume:
         raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
     check_ranges(args)
@@ -2135,13 +1972,9 @@ def sample(args: Args) -> str:
 def prepare_jax(args: Args, platform: str = "") -> Args:
     """Before JAX starts: the platform (`platform`, else --platform), the CPU split (the flags as
     used: --cpu_devices settled) and the compilation cache."""
-    hosts = args.hosts
-    cluster.select_platform(platform or args.platform)
-    check_range(Args, "cpu_devices", hosts.cpu_devices)
-    one = cluster.several_processes(hosts.coord_addr, hosts.num_procs) or args.rank == 0
     p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
-    shards = cluster.split_cpu(hosts.cpu_devices, args.platform, p, g, n, one)
-    cluster.enable_compilation_cache(args.dir_path)
+    shards = cluster.prepare(args.hosts, platform, p, g, n, args.rank == 0)
+    cluster.enable_compilation_cache(args.corpus.dir_path)
     return replace(args, cpu_devices=shards)
 
 
@@ -2151,12 +1984,10 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
         hosts = args.hosts
         if cluster.several_processes(hosts.coord_addr, hosts.num_procs) and not supervisor.supervised():
-            script = Path(__file__).resolve()
-            raise SystemExit(
-                supervisor.supervise(script, argv, run_folder(args), save_dir_of(args), hosts.proc_id)
-            )
+            launched = (Path(__file__).resolve(), argv, run_folder(args), save_dir_of(args), hosts.proc_id)
+            raise SystemExit(supervisor.supervise(*launched))
         args = prepare_jax(args)
-        sample(args) if args.sampling.sample else train(args)
+        sample(args) if args.sampler.sample else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

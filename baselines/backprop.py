@@ -206,7 +206,7 @@ def train(args: Args) -> dict:
     metrics.jsonl; return the last metrics."""
     train_bytes, valid_bytes = run.open_data(args)
     rows = run.validation_rows(valid_bytes, args)
-    baselines = corpora.cached_baselines(train_bytes, rows, args.dir_path)
+    baselines = corpora.cached_baselines(train_bytes, rows, args.corpus.dir_path)
     stride = len(train_bytes) // args.batch_size
     windows = (stride - 1) // args.window
     if windows < 1:
@@ -216,7 +216,7 @@ def train(args: Args) -> dict:
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
     opt_state, step = optimizer.init(params), make_step(forward, optimizer)
     state = jnp.zeros((args.batch_size, args.n_layer, args.n_embd))
-    name = args.tracking.run_name or f"backprop-{args.model}-{Path(args.data).stem}-seed{args.seed}"
+    name = args.tracking.run_name or f"backprop-{args.model}-{Path(args.corpus.data).stem}-seed{args.seed}"
     folder = Path(args.tracking.runs_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1) + "\n")

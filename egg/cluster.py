@@ -12,17 +12,19 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
 
 from egg import UserError
-from egg.flags import flag
+from egg.flags import check_range, flag
 
 
 @dataclass(frozen=True)
 class Flags:
+    platform: Literal["", "cpu", "cuda", "rocm", "tpu"] = ""
+    """JAX platform to run on (default: JAX's choice: its accelerator, else the CPU)"""
     coord_addr: str = ""
     """address:port of process 0's coordinator, for a multi-host run started by hand"""
     num_procs: Annotated[int, *flag("[1, inf)")] = 1
@@ -77,6 +79,19 @@ def enable_compilation_cache(dir_path: str) -> None:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", str(Path(dir_path) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def prepare(
+    hosts: Flags, platform: str, members: int, group_size: int, perturbations: int, full_rank: bool
+) -> int:
+    """Before JAX starts: the platform (`platform`, else --platform, else JAX's choice), the CPU split
+    (returned: --cpu_devices as used, split_cpu) for these members per device, groups and distinct
+    perturbations (0: one per member)."""
+    platform = platform or hosts.platform
+    select_platform(platform)
+    check_range(Flags, "cpu_devices", hosts.cpu_devices)
+    one = several_processes(hosts.coord_addr, hosts.num_procs) or full_rank
+    return split_cpu(hosts.cpu_devices, platform, members, group_size, perturbations, one)
 
 
 def several_processes(coord_addr: str, num_procs: int) -> bool:

@@ -12,15 +12,35 @@ import os
 import shutil
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import tyro
 
 from egg import UserError
 from egg.files import atomic_file, write_atomic
+from egg.flags import flag
 
 MINIPILE = "JeanKaddour/minipile"
 MINIPILE_SPLITS = ("train", "validation", "test")
+BESIDE_RUN = Path(__file__).resolve().parent.parent / "cached_files"  # the default cache
+VALID_HINT = "(default: minipile's validation split, else the last --valid_fraction of --data)"
+
+
+@dataclass(frozen=True)
+class Flags:
+    data: str = "minipile"
+    """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
+    valid_data: Annotated[str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)] = None
+    """a separate validation file or folder"""
+    valid_fraction: Annotated[float, *flag("(0, 0.5)")] = 0.01
+    """share of --data held out for validation when --valid_data is not given"""
+    dir_path: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: cached_files/ beside run.py)")] = (
+        str(BESIDE_RUN)
+    )
+    """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
 
 
 def stdlib_folder() -> Path:

@@ -36,6 +36,14 @@ def tensor_stats(values: np.ndarray, limit: int) -> dict[str, float]:
     }
 
 
+def moved_shares(counts, tensors: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Each tensor's share of entries that moved, from the update's counts (each tensor's in order,
+    layer by layer) and {name: (layers, entries)}."""
+    cuts = np.cumsum([layers for layers, _ in tensors.values()])[:-1]
+    parts = np.split(np.asarray(counts, np.int64), cuts)
+    return {name: int(c.sum()) / size for (name, (_, size)), c in zip(tensors.items(), parts, strict=True)}
+
+
 def diagnostics(seen: dict, params: dict, moved: dict[str, float], limit: int) -> dict[str, float]:
     """diag/ metrics: activation statistics per tensor and layer (`seen`: the embedding and logits
     (rows, bytes, width), the LAYER_TENSORS with a layer axis); per parameter the share at +-127

@@ -5,11 +5,30 @@ models and moves the copied settings one step each (explore)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from egg.flags import flag
+
+
+@dataclass(frozen=True)
+class Flags:
+    replicas: Annotated[int, *flag("[1, inf)", training=True)] = 1
+    """models trained side by side in one step, each with its own seed (--seed + index) and settings below"""
+    replica_alpha: Annotated[tuple[float, ...], *flag(training=True)] = ()
+    """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
+    replica_alpha_decay_timestep: Annotated[tuple[int, ...], *flag(training=True)] = ()
+    """--alpha_decay_timestep of each replica, a list of --replicas values (empty: the flag's)"""
+    replica_sigma_shift: Annotated[tuple[int, ...], *flag(training=True)] = ()
+    """--sigma_shift of each replica, a list of --replicas values (empty: the flag's)"""
+    pbt_every: Annotated[int, *flag("[0, inf)", training=True)] = 0
+    """generations between population-based training steps (0: none; needs --replicas >= 4)"""
+
 
 # explore moves alpha and its decay by one of these factors (alpha > 1, a schedule: its excess over
 # 1; alpha <= 1, a fixed share: itself, at most 1), and sigma_shift by one step, within its range.

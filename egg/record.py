@@ -34,6 +34,28 @@ class Flags:
     """name of the run and of its output folder (default: built from the configuration)"""
 
 
+def default_run_name(args) -> str:
+    """A run's name from its flags (run.Args): data, model, alpha, sigma_shift, rank, population x bytes
+    x noise reuse, seed, and upstream's algorithm and the tag where given."""
+    data = Path(args.corpus.data).name or "data"
+    name = (
+        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
+        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
+    )
+    name += "-upstream" * (args.algorithm == "upstream")
+    return f"{name}-{args.tracking.tag}" if args.tracking.tag else name
+
+
+def run_folder(args) -> Path:
+    """<runs_dir>/<run_name>: the run's record (and by default its checkpoints)."""
+    return Path(args.tracking.runs_dir) / (args.tracking.run_name or default_run_name(args))
+
+
+def save_dir_of(args) -> Path:
+    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
+    return Path(args.checkpointing.save_dir or run_folder(args) / "checkpoints")
+
+
 def logged_before(line: str, generation: int) -> bool:
     """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
     while writing can leave a last line cut short)."""
@@ -93,17 +115,17 @@ class RunRecord:
             self.wandb.finish()
 
 
-def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:
+def replica_metrics(per_replica: list[dict], settings: list, summary: bool = True) -> dict:
     """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
-    settings (a series of its own in W&B; `settings`: each replica's, seed left out), and with
-    `summary` the best replica's bits/byte under the plain names (what sweeps and the progress bar
-    read)."""
+    settings (a series of its own in W&B; `settings`: each replica's NamedTuple, its seed left out),
+    and with `summary` the best replica's bits/byte under the plain names (what sweeps and the
+    progress bar read)."""
     if len(per_replica) == 1:
         return per_replica[0]
     out = {}
     for k, (values, setting) in enumerate(zip(per_replica, settings, strict=True)):
         out.update({f"replica/{k}/{name}": v for name, v in values.items()})
-        out.update({f"replica/{k}/{name}": v for name, v in setting.items()})
+        out.update({f"replica/{k}/{name}": v for name, v in setting._asdict().items() if name != "seed"})
     if summary:
         bits = [name for name in per_replica[0] if name.endswith("bits_per_byte")]
         out.update({name: min(x[name] for x in per_replica) for name in bits})

@@ -15,7 +15,7 @@ from helpers import TINY, in_process, one_line_error, tiny_args
 
 import bench
 import run
-from egg import cluster, hlo
+from egg import cluster, flags, hlo
 from egg.flags import flag_given
 
 FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
@@ -189,7 +189,7 @@ def test_a_product_kernel_is_costed_by_the_layer_it_reads():
 
 def benchmark_args(**overrides):
     args = dict(n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8)
-    return bench.Args(**{**args, **overrides})
+    return flags.replace(bench.Args(), **{**args, **overrides})
 
 
 def test_benchmark_prints_one_table_with_every_mode(capsys):

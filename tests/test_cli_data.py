@@ -12,7 +12,7 @@ import tyro
 from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 
 import run
-from egg import corpora, flags
+from egg import corpora, flags, record
 
 
 def test_upstream_flag_names_parse():
@@ -58,7 +58,7 @@ def test_upstream_flag_names_parse():
         ],
     )
     assert (args.use_clt, args.fast_fitness, args.noise_reuse, args.rank) == (False, False, 0, 2)
-    assert (args.data, args.valid_data, args.parallel_generations_per_gpu) == ("x", "y", 64)
+    assert (args.corpus.data, args.corpus.valid_data, args.parallel_generations_per_gpu) == ("x", "y", 64)
 
 
 def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
@@ -78,8 +78,8 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
         assert run.parse_args(["--algorithm", "upstream", *given]).mlp_relu is True, given
     # runs apart: the name records upstream's sigma_shift and the preset
     assert (
-        run.default_run_name(upstream)
-        == run.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
+        record.default_run_name(upstream)
+        == record.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
     )
     both = run.parse_args(["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"])
     assert (both.fast_fitness, both.optimizer, both.mlp_relu) == (False, "momentum", False)
@@ -144,7 +144,8 @@ def test_stdlib_corpus_is_python_source():
 def test_split_batches_and_validation_rows(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
-    args = run.Args(
+    args = flags.replace(
+        run.Args(),
         data=str(data),
         validation_batch_size=8,
         parallel_generations_per_gpu=8,
@@ -167,7 +168,7 @@ def test_split_batches_and_validation_rows(tmp_path):
     assert rows.shape == (8, len(valid) // 8)
     other = tmp_path / "valid.bin"
     other.write_bytes(b"xy" * 100)
-    train2, valid2 = run.open_data(run.Args(data=str(data), valid_data=str(other)))
+    train2, valid2 = run.open_data(flags.replace(run.Args(), data=str(data), valid_data=str(other)))
     assert len(train2) == 10240 and bytes(valid2) == b"xy" * 100
 
 

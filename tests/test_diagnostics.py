@@ -9,7 +9,7 @@ import pytest
 from helpers import es_update, fitness_of_one_model, thresholds
 
 import run
-from egg.diagnostics import diagnostics, diagnostics_table, tensor_stats
+from egg.diagnostics import diagnostics, diagnostics_table, moved_shares, tensor_stats
 
 
 def test_tensor_stats_match_numpy():
@@ -53,7 +53,8 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
     noise = run.generation_noise(cfg, 0, 0)
     new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)
-    shares = run.moved_shares(cfg, np.asarray(moved))
+    tensors = {k: (2 if k in run.BLOCK_NAMES else 1, np.asarray(params[k]).size) for k in run.PARAM_NAMES}
+    shares = moved_shares(np.asarray(moved), tensors)
     want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in run.PARAM_NAMES}
     assert (
         shares == pytest.approx(want) and min(want.values()) < max(want.values()) and max(want.values()) > 0

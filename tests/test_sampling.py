@@ -1,6 +1,8 @@
 """Sampling (egg/sampling.py) from the model's integer logits (run.py's noise-free reader): min_p,
 presence penalty, greedy, reproducibility, and --sample on the command line."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,7 +63,7 @@ def test_sampling_is_reproducible_for_a_seed():
 
 def test_min_p_one_at_low_temperature_is_greedy_decoding():
     args, cfg, params = model()
-    args = run.dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
+    args = dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
 
     got = run.sample_text(params, cfg, args, seed=5)
     read, h = run.make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
@@ -101,9 +103,7 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")
     expected = sampling.printable(
-        run.sample_text(
-            params, cfg, run.dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4
-        )
+        run.sample_text(params, cfg, dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4)
     )
     assert result.stdout.rstrip("\n") == "import " + expected
     one_line_error(in_process(capsys, "--sample"), "--sample needs --resume")

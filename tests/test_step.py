@@ -10,7 +10,7 @@ import reference
 from helpers import fitness_of_one_model, one_model_step, z_thresholds
 
 import run
-from egg import cluster
+from egg import cluster, flags
 
 FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
 
@@ -26,7 +26,7 @@ def setup(**overrides):
         alpha=0.3,
     )
     args.update(overrides)
-    args = run.Args(**args)
+    args = flags.replace(run.Args(), **args)
     c = run.make_config(args)
     rng = np.random.default_rng(0)
     batch = rng.integers(0, 256, (c.population // c.group_size, c.tokens + 1)).astype(np.uint8)

@@ -60,7 +60,7 @@ def test_minipile_is_converted_once_then_read_from_the_cache(tmp_path, monkeypat
     corpora.load_minipile(str(tmp_path))
     assert calls == [corpora.MINIPILE]  # second time: the cache, no hub
     monkeypatch.setattr(corpora, "hub_reachable", lambda: pytest.fail("touched the network"))
-    train, valid = run.open_data(run.Args(data="minipile", dir_path=str(tmp_path)))
+    train, valid = run.open_data(flags.replace(run.Args(), data="minipile", dir_path=str(tmp_path)))
     assert bytes(train) == want and bytes(valid) == b"\0held out text" * 40
     assert not list(tmp_path.glob("*.tmp*"))
 
