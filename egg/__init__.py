@@ -1,14 +1,16 @@
-"""The tools beside run.py: everything a training run needs that is not the algorithm.
+"""The tools beside run.py: everything a training run needs that is not the algorithm. Each tool's
+flags are a group of its own (a Flags dataclass), which run.Args gathers.
 
     flags.py        what each flag allows (Facts), the command line's forms, the upstream preset
     files.py        files written whole or not at all (a hidden temporary renamed into place)
     corpora.py      training bytes: minipile, stdlib, files and folders, cached; the baselines
     checkpoints.py  checkpoint folders: written atomically, kept, found, read back and checked
     cluster.py      devices, processes and signals: the mesh, host copies, the CPU split, memory
-    supervisor.py   a several-process run's launcher: the lost-process line, no orphans
+    supervisor.py   a several-process run's launcher: a lost process said in one line
     record.py       metrics.jsonl and Weights & Biases; the replicas' metric names
     diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
-    pbt.py          population-based training: exploit and explore
+    pbt.py          replicas' flags and population-based training: exploit and explore
+    sampling.py     text drawn from a model's log2-probabilities, byte by byte
     hlo.py          a compiled program's text read once: collectives, kernels and their cost
 
 Nothing here imports run.py: the dependencies point from run.py (and the scripts) to this package.

@@ -80,7 +80,6 @@ def settings_text(setting: dict) -> str:
 
 
 def describe_lineage(lineage: list[dict]) -> str:
-    return "; ".join(
-        f"replica {x['replica']} copies {x['copied']} ({settings_text(x['old'])} -> {settings_text(x['new'])})"
-        for x in lineage
-    )
+    """'replica L copies W (old settings -> new settings); ...'"""
+    moves = [(x["replica"], x["copied"], settings_text(x["old"]), settings_text(x["new"])) for x in lineage]
+    return "; ".join(f"replica {loser} copies {winner} ({old} -> {new})" for loser, winner, old, new in moves)

@@ -1,11 +1,17 @@
-"""run.py's shape: it reads top to bottom, each section under the ruler its docstring names."""
+"""The layout: run.py holds the algorithm and its loop, read top to bottom, each section under the
+ruler its docstring names; the tools beside it (egg/) never import it; bench.py and the scripts do.
+Size limits a reader can hold in mind, and importing run.py does nothing."""
 
 import ast
 import re
+import subprocess
+import sys
 
 from helpers import ROOT
 
 SOURCE = (ROOT / "run.py").read_text()
+PACKAGE = sorted((ROOT / "egg").glob("*.py"))
+RUN_LINES, FUNCTION_LINES, MODULE_LINES = 2000, 60, 400  # at most
 
 
 def bound_inside(node: ast.AST) -> set[str]:
@@ -49,6 +55,48 @@ def test_each_section_the_docstring_names_is_under_its_ruler_in_that_order():
     sections = [name.strip().removeprefix("and ") for name in listed.replace("\n", " ").split(",")]
     rulers = re.findall(r"^# -{90,}\n# ([^.:]+)[.:]", SOURCE, re.M)
     assert [r.lower() for r in rulers] == [s.lower() for s in sections]
+
+
+def test_run_py_and_every_function_are_short_enough_to_read_in_a_sitting():
+    assert len(SOURCE.splitlines()) <= RUN_LINES
+    long = []
+    for path in (ROOT / "run.py", ROOT / "bench.py", *PACKAGE):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                long.append(f"{path.name}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+    assert all(len(path.read_text().splitlines()) <= MODULE_LINES for path in PACKAGE)
+
+
+def imported(path) -> set[str]:
+    """The top-level names of every module a file imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_dependencies_point_one_way_and_the_docstrings_name_the_files():
+    """Nothing run.py imports imports it (under python run.py the file is __main__: an import of run
+    would load a second copy); bench.py imports it. egg/__init__.py names every module of the
+    package, run.py's docstring the files beside it."""
+    for path in PACKAGE:
+        assert not imported(path) & {"run", "bench", "compare"}, path.name
+    assert "run" in imported(ROOT / "bench.py") and "egg" in imported(ROOT / "run.py")
+    listing = ast.get_docstring(ast.parse((ROOT / "egg" / "__init__.py").read_text()))
+    assert all(path.name in listing for path in PACKAGE if path.name != "__init__.py")
+    docstring = ast.get_docstring(ast.parse(SOURCE))
+    assert all(name in docstring for name in ("egg/", "bench.py", "compare.py", "scripts/", "baselines/"))
+
+
+def test_importing_run_does_nothing():
+    """No output, no JAX backend started, nothing written."""
+    code = "import run, jax._src.xla_bridge as b; print(sorted(b._backends))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", ""), result.stderr[-2000:]
 
 
 def test_ci_runs_exactly_the_test_command_the_readme_gives():
