@@ -321,7 +321,7 @@ def main(args: Args) -> int:
     for name, (flags, generations) in (QUICK_BENCHMARKS if args.quick else BENCHMARKS).items():
         table, report = benchmark_lines(flags, generations, args.platform)
         measured, modeled = profile_generation(flags, args.platform, out)
-        section = [f"== {name}: --benchmark (measured)", *table, "-- --target h100 (modeled)", *report]
+        section = [f"== {name}: bench.py (measured)", *table, "-- bench.py --target h100 (modeled)", *report]
         section += ["-- one training generation, kernel by kernel", *compare_kernels(measured, modeled)]
         print(*section, sep="\n", flush=True)  # as it comes: a run cut short keeps what it measured
         tables += section
