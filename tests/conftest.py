@@ -17,7 +17,7 @@ import pytest
 SCRATCH = Path(tempfile.mkdtemp(prefix="egg-jax-tests-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # one CPU device unless a test asks for more: run.py would otherwise split the CPU into one device
-# per core (--cpu_devices), which test_devices.py tests on its own
+# per core (--cpu_devices), which test_cluster.py tests on its own
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"

@@ -137,9 +137,8 @@ def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
     assert (round(training), round(inference)) == (55_573, 34_964)
 
 
-@pytest.mark.parametrize("kernels", ["pallas", "xla"])
-def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys, kernels):
-    args = run.parse_args([*TINY, *SMALL, "--target", "h100", "--kernels", kernels], bench.Args)
+def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
+    args = run.parse_args([*TINY, *SMALL, "--target", "h100"], bench.Args)
     figures = bench.target_report(args)
     out = capsys.readouterr().out
     for line in (
@@ -150,13 +149,24 @@ def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys, ke
     ):
         assert re.search(rf"^{re.escape(line)} [0-9,.]+", out, re.M), line
     assert "modeled" in out.split("modeled training tokens/s:")[1].splitlines()[0]
-    train = figures["training"]
-    if kernels == "xla":  # the layers in a scan of their own
-        assert train["per_token"] > train["per_layer"] * run.parse_args(TINY).n_layer > 0
-    else:  # unrolled, the products Pallas kernels whose declared cost is read
-        assert train["per_token"] > 0 == train["per_layer"] and "(the layers unrolled)" in out
-        assert [k for k in figures["kernels"]["training"] if k.kind == "pallas" and k.bytes and k.macs]
+    train = figures["training"]  # the layers unrolled, the products Pallas kernels of a declared cost
+    assert train["per_token"] > 0 == train["per_layer"] and "(the layers unrolled)" in out
+    assert [k for k in figures["kernels"]["training"] if k.kind == "pallas" and k.bytes and k.macs]
     assert 0 < train["tokens_per_s"] < figures["inference"]["tokens_per_s"] * 1.5
+
+
+def test_kernels_are_placed_by_the_scans_around_them():
+    """Two scans deep (a member's segments, each segment's bytes) runs for every byte, three deep
+    (the layers, scanned where XLA runs the products) for every byte and layer: read on the CPU's
+    own compiled step, whose loops XLA keeps as the trace made them."""
+    args = run.parse_args([*TINY, "--n_embd", "16", "--segments", "2", "--kernels", "xla"])
+    mesh = cluster.population_mesh(run.POP)
+    cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
+    batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
+    inputs = (*run.init_run(cfg, replicas), batch, np.int32(0), *run.replica_inputs(cfg, replicas, 0))
+    text = run.make_generation_step(cfg, mesh).lower(*inputs).compile().as_text()
+    figures = bench.describe_program(hlo.gpu_kernels(text), cfg, 1)
+    assert figures["per_token"] > figures["per_layer"] * cfg.n_layer > 0
 
 
 def test_a_product_kernel_is_costed_by_the_layer_it_reads():

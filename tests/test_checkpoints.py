@@ -24,7 +24,7 @@ from helpers import (
 )
 
 import run
-from egg import checkpoints, cluster, files, record
+from egg import checkpoints, cluster, files
 
 
 def start(*flags, runs):
@@ -214,6 +214,10 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     assert meta["training"]["alpha"] == 0.3 and meta["training"]["population"] == 16
 
 
+# the sha256 of TINY's sorted parameters after 3 generations with the defaults, as commit 5423dfc computed it
+DEFAULTS_AFTER_THREE = "cfbdced9c38b3015983e7b8614268f6dc25caa4b8231b8900c211cdc13693c6d"
+
+
 def test_resume_auto_with_no_checkpoint_starts_a_fresh_run(tmp_path, capsys):
     flags = [*TINY, "--num_epochs", "3"]
     fresh = in_process(capsys, *flags, "--runs_dir", str(tmp_path / "a"))
@@ -222,7 +226,7 @@ def test_resume_auto_with_no_checkpoint_starts_a_fresh_run(tmp_path, capsys):
     assert "no checkpoint in" in auto.stdout and "starting a new run" in auto.stdout
     assert "resuming" not in auto.stdout
     final = [checkpoint_dir(tmp_path / x) / "gen-00000003" for x in "ab"]
-    assert params_hash(final[0]) == params_hash(final[1])
+    assert params_hash(final[0]) == params_hash(final[1]) == DEFAULTS_AFTER_THREE
 
 
 def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, capsys):
@@ -373,14 +377,6 @@ def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path
     assert checkpoints.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
     assert checkpoints.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
     assert checkpoints.find_resume(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
-
-
-def test_a_record_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
-    folder = tmp_path / "run"
-    folder.mkdir()
-    (folder / "metrics.jsonl").write_text('{"generation": 1}\n{"generation": 2}\n{"generation": 3}\n{"gener')
-    record.RunRecord(folder, {}, {}, 2).close()
-    assert (folder / "metrics.jsonl").read_text() == '{"generation": 1}\n{"generation": 2}\n'
 
 
 def test_leftovers_of_a_killed_save_are_removed_at_start(tmp_path):

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import TINY, cli, in_process, one_line_error
-from test_devices import launch, two_processes, wait
+from test_cluster import launch, two_processes, wait
 
 import run
-from egg import pbt
+from egg import checkpoints, pbt
 
 # three replicas: a fixed share, and two schedules with their own decay, each its own sigma_shift
 THREE = (
@@ -48,22 +48,21 @@ def final(runs: Path, generation: int) -> Path:
 
 
 # sha256 (first 16 hex digits) of the sorted parameters after 6 generations of TINY with these
-# flags, and the last validation bits/byte (the best replica's), as commit 5423dfc computed them:
-# the defaults; the default rule with one segment, upstream's sigma_shift and start; upstream's
-# algorithm; a population whose moves are of up to two steps (10,000 scored pairs an update); and
-# four replicas with population-based training
+# flags, and the last validation bits/byte, as commit 5423dfc computed them: the default rule with
+# one segment, upstream's sigma_shift and start; upstream's algorithm; and a population whose moves
+# are of up to two steps (10,000 scored pairs an update). The defaults' and replicas with PBT's are
+# pinned where other tests train them (a fresh run in test_checkpoints.py, the PBT test below)
 PINNED = {
-    (): ("00a1519c78292bf4", 8.1158447265625),
     ("--segments", "1", "--sigma_shift", "4", "--init_std", "16"): ("585fb853352c648f", 8.686004638671875),
     ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
     ("--parallel_generations_per_gpu", "2500"): ("68e5d557289ed14a", 6.80712890625),
-    tuple(FOUR_PBT): ("a986fb429ad3377a", 7.797760009765625),
 }
+PBT_AFTER_FOUR = "1e909086b5b6f600"  # checkpoint_digest of FOUR_PBT's generation 4, commit 5423dfc's
 
 
 @pytest.mark.parametrize("flags", list(PINNED))
 def test_a_run_holds_its_pinned_results_bit_for_bit(tmp_path, flags):
-    for replicas in ([], ["--replicas", "1"]) if "--replicas" not in flags else ([],):
+    for replicas in ([], ["--replicas", "1"]):
         given = [*TINY, "--num_epochs", "6", "--save_every", "0", *flags, *replicas]
         metrics = run.train(run.parse_args([*given, "--runs_dir", str(tmp_path / str(len(replicas)))]))
         params = metrics["params"]
@@ -143,6 +142,7 @@ def test_pbt_copies_exactly_and_a_resumed_pbt_run_is_bit_identical(tmp_path, cap
     assert meta["replica_settings"][copy["replica"]] == copy["new"]
     train(capsys, tmp_path / "parts", *FOUR_PBT, "--num_epochs", "2")
     train(capsys, tmp_path / "parts", *FOUR_PBT, "--num_epochs", "4", "--resume", "auto")
+    assert checkpoints.checkpoint_digest(final(tmp_path / "whole", 4)) == PBT_AFTER_FOUR
     whole, parts = arrays(final(tmp_path / "whole", 4)), arrays(final(tmp_path / "parts", 4))
     assert all(np.array_equal(whole[k], parts[k]) for k in whole)
     metas = [json.loads((final(tmp_path / x, 4) / "meta.json").read_text()) for x in ("whole", "parts")]
@@ -165,7 +165,7 @@ def test_pbt_copies_exactly_and_a_resumed_pbt_run_is_bit_identical(tmp_path, cap
 
 def test_pbt_replicas_on_one_and_two_by_two_devices_agree_bit_for_bit(tmp_path):
     """One device against 2 processes x 2 devices (4 devices in one process is the same sharded
-    program without the processes, and test_devices.py checks it for a single run)."""
+    program without the processes, and test_cluster.py checks it for a single run)."""
     flags = [*FOUR_PBT, "--num_epochs", "4", "--num_perturbations", "8", "--save_every", "0"]
     procs = {
         "one": [launch(1, [*flags, "--parallel_generations_per_gpu", "32"], tmp_path / "one")],
