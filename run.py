@@ -1595,13 +1595,14 @@ def make_reader(cfg: Config, collect: bool = False):
 
 def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
     """Continue --prompt by --max_new_bytes bytes (egg/sampling.py draws them, deterministic for a
-    seed), read after a byte 0 (the document separator); then one byte a call, its logits
-    (log2-probabilities at LOGIT_FRAC) read on the host as bits: a sync point."""
+    seed), the prompt read after a byte 0 (the document separator); the last logits of each call
+    (log2-probabilities at LOGIT_FRAC) are read on the host as bits: a sync point."""
     read, h = make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
 
     def next_bits(data: bytes) -> np.ndarray:
         nonlocal h
-        h, logits, _ = read(params, h, np.frombuffer(data, np.uint8)[None])
+        for byte in data:  # a byte a call: one program, compiled once, for the prompt and the draws
+            h, logits, _ = read(params, h, np.array([[byte]], np.uint8))
         return np.asarray(logits[0], np.float64) / 2**LOGIT_FRAC
 
     return sampling.continuation(next_bits, b"\0" + flags.prompt.encode(), flags, seed)

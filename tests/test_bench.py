@@ -159,7 +159,7 @@ def test_kernels_are_placed_by_the_scans_around_them():
     """Two scans deep (a member's segments, each segment's bytes) runs for every byte, three deep
     (the layers, scanned where XLA runs the products) for every byte and layer: read on the CPU's
     own compiled step, whose loops XLA keeps as the trace made them."""
-    args = run.parse_args([*TINY, "--n_embd", "16", "--segments", "2", "--kernels", "xla"])
+    args = run.parse_args(TINY)  # the products XLA's, as on every CPU
     mesh = cluster.population_mesh(run.POP)
     cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
