@@ -68,13 +68,19 @@ def computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
 
 def collective_traffic(hlo: str) -> list[tuple[str, int]]:
     """(operation, bytes each device receives) of every collective in a compiled program: its
-    result (an async start returns (operand, result): the result)."""
+    result (an async start returns (operand, result): the result). Only the lines that name a
+    collective are parsed: a large program's text runs to megabytes."""
     found = []
-    for body in computations(hlo)[0].values():
-        for x in body:
-            op = x.opcode.removesuffix("-start")
-            if op in COLLECTIVE_OPS:
-                found.append((op, hlo_bytes(x.shapes[-1:] if x.opcode.endswith("-start") else x.shapes)))
+    for line in hlo.splitlines():
+        if any(op in line for op in COLLECTIVE_OPS) and (match := INSTRUCTION.match(line)):
+            opcode, shapes = match.group(3), hlo_shapes(match.group(2))
+            if opcode.removesuffix("-start") in COLLECTIVE_OPS:
+                found.append(
+                    (
+                        opcode.removesuffix("-start"),
+                        hlo_bytes(shapes[-1:] if opcode.endswith("-start") else shapes),
+                    )
+                )
     return found
 
 
