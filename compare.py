@@ -14,12 +14,16 @@ on the same bytes, e.g. "gru=@backprop --model mingru --num_epochs 1000": steps,
 The wall-time column is the last validation reached within --wall_seconds of training (compilation
 and validation excluded), the bytes column the last within --train_bytes bytes trained on, so
 validate often (--validate_every) for them to mean much. --plot draws every variant's curves against
-generations, training seconds and training bytes; --reuse reads runs an earlier comparison made.
+generations, training seconds and training bytes (and writes the table beside it, as NAME.txt);
+--reuse reads runs an earlier comparison made, refusing any whose command (compare.json beside it)
+differs from this comparison's. Each run's progress bar shows as it trains, each start says about
+how long is left, and the table is also written to the comparison's folder (table.txt).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -164,42 +168,91 @@ def table(args: CompareArgs, results: dict) -> str:
     return "\n".join(rows)
 
 
+def recorded_flags(command: list[str]) -> list[str]:
+    """A run's command as compare.py records it beside the run (compare.json) and checks it on
+    --reuse: the script and its flags, less where the run's folder lies (--runs_dir)."""
+    at = command.index("--runs_dir")
+    return [Path(command[1]).name, *command[2:at], *command[at + 2 :]]
+
+
+def reused(earlier: Path, command: list[str]) -> dict:
+    """An earlier run's results, once its recorded command is this comparison's for it (else one
+    line and exit 2: a table must never join runs of different flags)."""
+    try:
+        before = json.loads((earlier / "compare.json").read_text())["command"]
+    except (OSError, ValueError, KeyError):
+        sys.exit(f"error: --reuse {earlier}: it records no compare.json, so its flags cannot be checked")
+    if before != recorded_flags(command):
+        there = " ".join(w for w in before if w not in recorded_flags(command)) or "(their order)"
+        here = " ".join(w for w in recorded_flags(command) if w not in before) or "(their order)"
+        sys.exit(f"error: --reuse {earlier}: trained with other flags ({there}; this comparison: {here})")
+    print(f"reading {earlier}", flush=True)
+    return read_run(earlier)
+
+
+def train(command: list[str], log: Path) -> None:
+    """Run one command: its progress bar (stderr) shown as it comes, its lines (stdout) kept in
+    `log`; a failure ends the comparison in one line (exit 2)."""
+    with open(log, "wb") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE)
+        tail = b""
+        while chunk := os.read(child.stderr.fileno(), 1 << 16):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.flush()
+            tail = (tail + chunk)[-4096:]
+    if child.wait():
+        last = tail.decode(errors="replace").strip().splitlines() or ["(no message)"]
+        sys.exit(f"error: {log.stem} failed (exit {child.returncode}): {last[-1]}; its output: {log}")
+
+
 def compare(args: CompareArgs) -> str:
+    """Train (or with --reuse read) every run, saying which and about how long is left; print the
+    table and write it beside the plot and in the comparison's folder."""
     variants = parse_variants(args.variants)
     if any(g % args.validate_every or g > args.num_epochs for g in args.report_at):
-        raise SystemExit(
-            "error: every --report_at must be a multiple of --validate_every, at most --num_epochs"
-        )
-    results, runs_dir = {}, str(Path(args.runs_dir) / time.strftime("%Y%m%d-%H%M%S"))
+        sys.exit("error: every --report_at must be a multiple of --validate_every, at most --num_epochs")
+    results, runs_dir = {}, Path(args.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
+    todo, durations = len(args.data) * len(variants) * len(args.seeds), []
     for corpus in args.data:
         results[corpus] = {}
         for name, flags in variants.items():
             results[corpus][name] = []
             for seed in args.seeds:
                 run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
-                earlier = [
-                    Path(d) / run_name for d in args.reuse if (Path(d) / run_name / "metrics.jsonl").exists()
-                ]
-                if earlier:
-                    print(f"reading {earlier[0]}", flush=True)
-                    results[corpus][name].append(read_run(earlier[0]))
-                    continue
                 script, own = (
                     ("baselines/backprop.py", flags[1:]) if flags[:1] == ["@backprop"] else ("run.py", flags)
                 )
                 command = [sys.executable, str(ROOT / script), *shlex.split(args.flags), *data_flags(corpus)]
                 command += ["--seed", str(seed), "--num_epochs", str(args.num_epochs)]
-                command += ["--validate_every", str(args.validate_every), "--runs_dir", runs_dir]
+                command += ["--validate_every", str(args.validate_every), "--runs_dir", str(runs_dir)]
                 command += ["--run_name", run_name, "--save_every", "0", *own]  # last: a variant's win
-                print(f"running {shlex.join(command[1:])}", flush=True)
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode:
-                    raise SystemExit(f"error: {run_name} failed: {done.stderr.strip().splitlines()[-1]}")
-                results[corpus][name].append(read_run(Path(runs_dir) / run_name))
+                todo -= 1
+                earlier = [
+                    Path(d) / run_name for d in args.reuse if (Path(d) / run_name / "metrics.jsonl").exists()
+                ]
+                if earlier:
+                    results[corpus][name].append(reused(earlier[0], command))
+                    continue
+                left = (
+                    f"; about {statistics.mean(durations) * (todo + 1) / 60:.0f} min left"
+                    if durations
+                    else ""
+                )
+                print(f"running {shlex.join(command[1:])}{left}", flush=True)
+                runs_dir.mkdir(parents=True, exist_ok=True)
+                tick = time.time()
+                train(command, runs_dir / f"{run_name}.log")
+                durations.append(time.time() - tick)
+                record = {"command": recorded_flags(command)}
+                (runs_dir / run_name / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
+                results[corpus][name].append(read_run(runs_dir / run_name))
     text = table(args, results)
     print(text)
+    if runs_dir.exists():
+        (runs_dir / "table.txt").write_text(text + "\n")
     if args.plot:
         plot(args, results).savefig(args.plot, dpi=100)
+        Path(args.plot).with_suffix(".txt").write_text(text + "\n")
     return text
 
 

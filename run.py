@@ -24,7 +24,6 @@ and the deviceless GPU report), compare.py (learning comparisons), scripts/ and 
 from __future__ import annotations
 
 import math
-import signal
 import statistics
 import sys
 import time
@@ -38,13 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from egg import UserError, checkpoints, cluster, corpora, pbt, record, sampling, supervisor
+from egg import UserError, checkpoints, cluster, corpora, pbt, record, resume, sampling, supervisor
 from egg import diagnostics as diagnosis
 from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_copy, local_copy, stop_requested
-from egg.files import writable_folder
+from egg.files import own
 from egg.flags import acts, check_range, check_ranges, facts_of, flag, flag_given, flat, parse, replace
 from egg.hlo import Compiled, compile_now
-from egg.record import describe_spread, replica_metrics, run_folder, save_dir_of
+from egg.record import describe_spread, replica_metrics, run_folder, save_dir_of, tolerated
 
 # ------------------------------------------------------------------------------------------------
 # Args. Each flag's facts (its allowed range, whether it changes training, upstream nano-egg's
@@ -1349,7 +1348,6 @@ def init_run(cfg: Config, replicas: list[Replica]):
 # |log2 p(target)| at LL_FRAC: the target 254 logit steps below the top (254 * 16), plus log2 s
 # for s <= 2**28 (2**LL_FRAC per bit above EXP_FRAC, one more for the mantissa)
 LL_BOUND = 254 * 2 ** (LL_FRAC - LOGIT_FRAC) + (28 - EXP_FRAC + 1) * 2**LL_FRAC
-SMALLER_POPULATION = "a smaller --parallel_generations_per_gpu or --segments, or --fast_fitness"
 
 
 def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
@@ -1371,18 +1369,20 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
     squares = noise_pairs(cfg) * (cfg.population // (2 * cfg.distinct_pairs) * score_max) ** 2
     remainders = 0 if cfg.fast_fitness else (-(-pairs // remainders_chunk(pairs)) + cfg.devices) * pairs
     largest = max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES)
+    smaller = "a smaller --parallel_generations_per_gpu" + " or --segments" * (cfg.segments > 1)
+    smaller += ", or --fast_fitness" * (not cfg.fast_fitness)  # what shrinks Z and the sums of scores
     return {
         "matmul accumulator x W^T + sigma x E^T": (INT8_MAX**2 * n_in + u_a, "a smaller --n_embd or --rank"),
         "low-rank product x B": (x_b, "a smaller --n_embd"),
         "fitness (log2-likelihood sum)": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
         # both members' fitness lie in [-LL_BOUND T, 0]
         "fitness difference of a pair": (LL_BOUND * cfg.tokens, "a smaller --tokens_per_update"),
-        "Z of a matrix entry": (z_matrix, SMALLER_POPULATION),
-        "Z of a vector entry": (z_vector, SMALLER_POPULATION),
+        "Z of a matrix entry": (z_matrix, smaller),
+        "Z of a vector entry": (z_vector, smaller),
         # counted whether or not --null_from_scores computes it, so that --segments 0 picks one
         # count for a configuration whatever that flag says
-        "sum of squared pair weights (--null_from_scores)": (squares, SMALLER_POPULATION),
-        "sum of |pair difference| mod pairs (normalised fitness)": (remainders, SMALLER_POPULATION),
+        "sum of squared pair weights (--null_from_scores)": (squares, smaller),
+        "sum of |pair difference| mod pairs (normalised fitness)": (remainders, smaller),
         "count of moved entries of one layer's tensor": (largest, "a smaller --n_embd"),
     }
 
@@ -1426,8 +1426,7 @@ REPLICA_SETTINGS = Replica._fields[1:]  # what each replica sets for itself (--r
 
 def replicas_of(args: Args) -> list[Replica]:
     """Each replica's settings: seed --seed + its index, the rest its --replica_NAME value, else --NAME."""
-    rep = args.replication
-    count = rep.replicas
+    rep, count = args.replication, args.replication.replicas
     given = {k: getattr(rep, f"replica_{k}") or (getattr(args, k),) * count for k in REPLICA_SETTINGS}
     return [Replica(args.seed + r, *(given[k][r] for k in REPLICA_SETTINGS)) for r in range(count)]
 
@@ -1493,10 +1492,12 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
 
 def parse_args(argv: list[str], cls: type = None) -> Args:
     """Args (or a subclass's flags: bench.py's) from the command line (egg/flags.py: tyro's forms,
-    the sweeps' booleans, the --algorithm upstream preset)."""
+    the sweeps' booleans, the --algorithm upstream preset); with --resume PATH, over that run's."""
     if flag_given(argv, "benchmark"):
         raise UserError("--benchmark: run python bench.py with the same flags (with --target h100: the GPU)")
-    return parse(cls or Args, argv)
+    args = parse(cls or Args, argv)
+    recorded = resume.run_flags(args.checkpointing.resume)  # --resume PATH: that run's flags
+    return parse(cls or Args, argv, recorded) if recorded else args
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1594,8 +1595,8 @@ def make_reader(cfg: Config, collect: bool = False):
 
 
 def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
-    """Continue --prompt by --max_new_bytes bytes (egg/sampling.py draws them, deterministic for a
-    seed), the prompt read after a byte 0 (the document separator); the last logits of each call
+    """--prompt and its continuation by --max_new_bytes bytes (egg/sampling.py draws them, the same
+    for a seed), the prompt read after a byte 0 (the document separator); the last logits of each call
     (log2-probabilities at LOGIT_FRAC) are read on the host as bits: a sync point."""
     read, h = make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
 
@@ -1605,7 +1606,8 @@ def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
             h, logits, _ = read(params, h, np.array([[byte]], np.uint8))
         return np.asarray(logits[0], np.float64) / 2**LOGIT_FRAC
 
-    return sampling.continuation(next_bits, b"\0" + flags.prompt.encode(), flags, seed)
+    prompt = sampling.prompt_bytes(flags.prompt)
+    return prompt + sampling.continuation(next_bits, b"\0" + prompt, flags, seed)
 
 
 def activations(params, rows: np.ndarray, cfg: Config) -> dict:
@@ -1640,7 +1642,7 @@ def starting_point(args: Args, save_dir: Path, cfg: Config, identity: dict, writ
     checkpoint continued (egg/checkpoints.py finds and checks it) or None: a fresh run's, or the
     checkpoint's, whose states or update rule state start afresh where they cannot carry over."""
     how, allow, acting = args.checkpointing.resume, args.checkpointing.allow_changes, partial(acts, Args)
-    found = checkpoints.resume(how, save_dir, expected_arrays(cfg), identity, acting, allow, writer)
+    found = resume.continue_from(how, save_dir, expected_arrays(cfg), identity, acting, allow, writer)
     if found is None:
         return init_run(cfg, replicas_of(args)), replicas_of(args), None
     fresh = init_run(cfg, replicas_of(args)) if found.opt is None or found.states is None else None
@@ -1693,56 +1695,42 @@ class Run(NamedTuple):
     writer: bool  # process 0: it alone prints, logs and writes checkpoints
     data: Data
     checkpointer: checkpoints.Checkpointer
-    resumed: checkpoints.Found | None  # the checkpoint continued: its folder, meta and accepted changes
+    resumed: resume.Found | None  # the checkpoint continued: its folder, meta and accepted changes
     start: int  # the first generation: 0, or the checkpoint's
     progress: Progress  # its arrays on the mesh and the replicas' settings
+    claims: list  # the writer's locks on the run folder and save_dir, held until the process ends
 
 
-def open_run(args: Args) -> Run:
-    """Check, join the other processes, read the data, find the checkpoint to resume: everything
-    that can be refused is, before the run creates anything of its own."""
+def open_run(args: Args, stop: StopSignal) -> Run:
+    """Check, join the other processes, own the run's folders, read the data, find the checkpoint to
+    resume: everything that can be refused is, before the run writes anything of its own."""
     check_args(args)
     args, mesh = start_devices(args)
+    stop.again()
     cfg = mesh_config(args, mesh)
     check_bounds(cfg)
     check_z_test(cfg, replicas_of(args))
-    writer, save_dir, data = jax.process_index() == 0, save_dir_of(args), read_data(args, cfg, mesh)
-    identity = checkpoints.training_identity(args, cfg.population, cfg.max_step, data.train)
+    writer, save_dir = jax.process_index() == 0, save_dir_of(args)
+    places = [(run_folder(args), "metrics to --runs_dir", "--run_name")]
+    places.append((save_dir, "checkpoints to --save_dir", "--save_dir"))
+    for place in places * writer:  # a folder another run owns is refused at once
+        own(*place, probe=True)
+    with stop.interruptible("while reading the data: nothing saved"):
+        data = read_data(args, cfg, mesh)
+    claims = [own(*place) for place in places * writer]  # the run's own from now on (egg/files.py)
+    identity = resume.training_identity(args, cfg.population, cfg.max_step, data.train)
     carry, replicas, resumed = starting_point(args, save_dir, cfg, identity, writer)
     keep = args.checkpointing.keep_checkpoints
     checkpointer = checkpoints.Checkpointer(save_dir, flat(args), keep, identity, writer)
-    if writer:
-        checkpointer.check_writable()
-        writable_folder(run_folder(args), "metrics to --runs_dir")
     if resumed is not None:
         checkpointer.best = resumed.meta.get("best_val_bits_per_byte", math.inf)
     progress = Progress(on_mesh(carry, mesh), replicas, [math.nan] * cfg.replicas, 0)
     start = resumed.meta["generation"] if resumed else 0
-    return Run(args, cfg, mesh, writer, data, checkpointer, resumed, start, progress)
+    return Run(args, cfg, mesh, writer, data, checkpointer, resumed, start, progress, claims)
 
 
 def batch_on_mesh(run: Run, generation: int) -> jax.Array:
     return global_array(batch_at(run.data.train, run.data.stream, run.cfg, generation), run.mesh, REPLICATED)
-
-
-def announce(run: Run, compiled: Compiled, log) -> None:
-    """The run's first lines: the model, the devices, the data, the compiled step, the baselines."""
-    cfg, cpus = run.cfg, run.args.hosts.cpu_devices
-    replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
-    split = f" (one CPU split into {cpus})" if cpus > 1 else ""
-    steps = f", up to {cfg.max_step} steps a move" if cfg.max_step > 1 and cfg.optimizer != "ztest" else ""
-    log(
-        f"egg-jax {run_folder(run.args).name}: {replicas}{num_parameters(cfg):,} int8 parameters, population "
-        f"{cfg.population} on {run.mesh.size} {jax.devices()[0].platform} device(s){split} in "
-        f"{jax.process_count()} process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs "
-        f"an update){steps}, {len(run.data.train):,} training bytes, "
-        f"{run.data.valid_rows.size:,} validation bytes"
-    )
-    log(
-        f"generation step compiled in {compiled.seconds:.1f} s: {compiled.traffic:,} bytes of cross-device "
-        f"traffic per generation and device, {compiled.temporaries:,.1f} MiB of temporaries"
-    )
-    log(f"baselines on the validation bytes, in bits/byte: {corpora.describe_baselines(run.data.baselines)}")
 
 
 def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
@@ -1772,19 +1760,11 @@ def generation_metrics(run: Run, flight: InFlight, console: record.Console) -> t
     """(train/ and perf/ metrics, moved counts (K, tensors)) of a generation in flight, from the
     fitness of process 0's members. Sync point: waits for this generation (the next one may
     already be running)."""
-    cfg, num_params = run.cfg, num_parameters(run.cfg)
+    cfg, bits, size = run.cfg, partial(bits_per_byte, num_tokens=run.cfg.tokens), num_parameters(run.cfg)
     fitness, moved = local_copy(flight.fitness, axis=1).astype(np.int64), host_copy(flight.moved)
     seconds = console.lap(flight.generation, flight.dispatched)
-    per_replica = [
-        {
-            "train/bits_per_byte": bits_per_byte(f.mean(), cfg.tokens),
-            "train/best_bits_per_byte": bits_per_byte(f.max(), cfg.tokens),
-            "train/worst_bits_per_byte": bits_per_byte(f.min(), cfg.tokens),
-            "train/moved_fraction": int(np.sum(m, dtype=np.int64)) / num_params,
-            "train/alpha": float(alpha_at(cfg, r, flight.generation)),
-        }
-        for f, m, r in zip(fitness, moved, flight.replicas, strict=True)
-    ]
+    alphas = [float(alpha_at(cfg, r, flight.generation)) for r in flight.replicas]
+    per_replica = [record.train_metrics(*x, bits, size) for x in zip(fitness, moved, alphas, strict=True)]
     tokens = cfg.population * cfg.tokens * cfg.replicas
     metrics = replica_metrics(per_replica, flight.replicas)
     return {**metrics, "perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}, moved
@@ -1825,17 +1805,15 @@ def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> 
     leader = min(range(len(scores)), key=lambda k: (scores[k], k))
     metrics = replica_metrics([{"val/bits_per_byte": v} for v in scores], replicas)
     metrics |= {f"val/{k}_bits_per_byte": v for k, v in run.data.baselines.items()}
-    baselines = corpora.describe_baselines(run.data.baselines)
-    spread = describe_spread(scores)
+    baselines, spread = corpora.describe_baselines(run.data.baselines), describe_spread(scores)
     log(f"generation {done}: validation {scores[leader]:.2f} bits/byte{spread} ({baselines})")
     if scores[leader] < run.checkpointer.best:
         which = {"replica": leader, "replica_setting": replicas[leader]._asdict()} if len(scores) > 1 else {}
         best = replica_of(jax.tree.map(host_copy, carry), leader)  # every process takes part: a sync point
         run.checkpointer.offer_best(done, best, scores[leader], which)
     if due(run.args.replication.pbt_every, done):
-        sigma = facts_of(Args)["sigma_shift"]
-        explore = (scores, replicas, run.args.seed, done, (sigma.low, sigma.high))
-        source, replicas, lineage = pbt.pbt_step(*explore)
+        sigma = facts_of(Args)["sigma_shift"]  # explored within its range
+        source, replicas, lineage = pbt.pbt_step(scores, replicas, run.args.seed, done, sigma[:2])
         carry, metrics["pbt/lineage"] = pbt.copy_replicas(carry, source), lineage
         log(f"generation {done}: population-based training: {pbt.describe_lineage(lineage)}")
     return Progress(carry, replicas, scores, leader), metrics
@@ -1843,8 +1821,8 @@ def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> 
 
 def diagnostics_phase(run: Run, params, moved: np.ndarray, replicas: list[Replica], done: int, log) -> dict:
     """diag/ metrics of every replica (and with --debug their tables): a sync point."""
-    per_replica, shapes = [], {k: full_shape(k, run.cfg) for k in PARAM_NAMES}
-    tensors = {k: (shape[0] if k in BLOCK_NAMES else 1, math.prod(shape)) for k, shape in shapes.items()}
+    per_replica, shape = [], partial(full_shape, cfg=run.cfg)
+    tensors = {k: (shape(k)[0] if k in BLOCK_NAMES else 1, math.prod(shape(k))) for k in PARAM_NAMES}
     for k in range(run.cfg.replicas):
         model = replica_of(params, k)
         seen = jax.tree.map(host_copy, activations(model, run.data.valid_rows[:16, :65], run.cfg))
@@ -1863,12 +1841,14 @@ def host_work(run: Run, evaluate, progress: Progress, done: int, moved, todo: Du
     if todo.validate:
         progress, metrics = validation_phase(run, evaluate, progress, done, log)
     if todo.diagnose:
-        metrics |= diagnostics_phase(run, progress.carry[0], moved, progress.replicas, done, log)
+        with tolerated(f"generation {done}'s diagnostics", log):  # an aside: its error is said, no more
+            metrics |= diagnostics_phase(run, progress.carry[0], moved, progress.replicas, done, log)
     if todo.sample:
-        model = replica_of(progress.carry[0], progress.leader)
-        text = sampling.printable(sample_text(model, run.cfg, args.sampler, args.seed + done))
-        log(f"generation {done} sample: {args.sampler.prompt}{text}")
-        metrics["samples/text"] = text
+        with tolerated(f"generation {done}'s sample", log):
+            model = replica_of(progress.carry[0], progress.leader)
+            text = sampling.printable(sample_text(model, run.cfg, args.sampler, args.seed + done))
+            log(f"generation {done} sample: {text}")
+            metrics["samples/text"] = text
     if todo.save:
         scores, leader, meta = progress.scores, progress.leader, {}
         if run.cfg.replicas > 1:
@@ -1882,43 +1862,61 @@ def host_work(run: Run, evaluate, progress: Progress, done: int, moved, todo: Du
 
 
 def finish(run: Run, progress: Progress, metrics: dict, stopped: bool, console: record.Console) -> dict:
-    """The run's last lines; the last metrics with the parameters (every replica's) on the host.
-    `stopped`: the run ended early because a process received a stop signal (every process agrees)."""
+    """The run's last lines (its validation, where it went and how to go on); the last metrics with
+    the parameters (every replica's) on the host. `stopped`: a stop signal ended it early."""
     cfg, scores, leader = run.cfg, progress.scores, progress.leader
     console.close(cfg.population * cfg.tokens * cfg.replicas)
     if not stopped:
-        which = ""
-        if cfg.replicas > 1:
-            setting = pbt.settings_text(progress.replicas[leader]._asdict())
-            which = f" (replica {leader} of {cfg.replicas}, {setting}){describe_spread(scores)}"
-        epochs = run.args.num_epochs
-        console.log(f"validation bits/byte {scores[leader]:.4f} after {epochs} generations{which}")
+        which = pbt.settings_text(progress.replicas[leader]._asdict()) if cfg.replicas > 1 else ""
+        console.log(record.describe_end(scores, leader, which, run.args.num_epochs))
+    console.log(record.where_it_went(run.args, stopped))
     return {**metrics, "params": jax.tree.map(host_copy, progress.carry[0])}
 
 
-def train(args: Args) -> dict:
-    """Train up to --num_epochs generations; return the last metrics (and the parameters)."""
-    started, run = time.time(), open_run(args)
-    args, cfg, start, progress, resumed = run.args, run.cfg, run.start, run.progress, run.resumed
-    console = record.Console(args.num_epochs, start, run.writer, started)
-    changes = checkpoints.describe_changes(resumed.changes) if resumed else ""
+def first_generation(run: Run, console: record.Console, stop: StopSignal) -> tuple:
+    """What precedes the first generation: said before the step compiles and after, its memory
+    checked, the record opened. Returns (the compiled step, the first batch)."""
+    cfg, start, args, resumed = run.cfg, run.start, run.args, run.resumed
+    changes = resume.describe_changes(resumed.changes) if resumed else ""
     if resumed is not None:
         console.log(f"resuming from {resumed.folder} at generation {start}")
     if changes:
         console.log(f"continuing with changed settings (--allow_changes): {changes}")
-    if start >= args.num_epochs:
-        console.log(f"nothing to do: the checkpoint is at generation {start}, --num_epochs {args.num_epochs}")
-        return finish(run, progress, {}, True, console)
-    batch, inputs = batch_on_mesh(run, start), replica_inputs(cfg, progress.replicas, start)
-    compiled = compile_generation(cfg, run.mesh, "train", progress.carry, batch, inputs)
-    announce(run, compiled, console.log)
-    summary, config = {f"baseline/{k}": v for k, v in run.data.baselines.items()}, flat(args)
-    console.record = record.RunRecord(run_folder(args), config, summary, start, run.writer, args.tracking)
+    sizes = (num_parameters(cfg), scored_pairs(cfg), len(run.data.train), run.data.valid_rows.size)
+    console.log(record.describe_run(run_folder(args).name, cfg, run.mesh, args.hosts.cpu_devices, *sizes))
+    batch, inputs = batch_on_mesh(run, start), replica_inputs(cfg, run.progress.replicas, start)
+    compiled = compile_generation(cfg, run.mesh, "train", run.progress.carry, batch, inputs)
+    console.log(
+        f"generation step compiled in {compiled.seconds:.1f} s: {compiled.traffic:,} bytes of cross-device "
+        f"traffic per generation and device, {compiled.temporaries:,.1f} MiB of temporaries"
+    )
+    p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
+    cluster.check_memory(run.mesh, compiled.temporaries, p, math.lcm(2, g, n or 2))  # as check_args asks
+    kept = f"{resumed.folder} stays the newest checkpoint" if resumed else "nothing saved"
+    stop.check(f"before generation {start + 1}: {kept}")
+    baselines = corpora.describe_baselines(run.data.baselines)
+    console.log(f"baselines on the validation bytes, in bits/byte: {baselines}")
+    summary = {f"baseline/{k}": v for k, v in run.data.baselines.items()}
+    console.record = record.RunRecord(run_folder(args), flat(args), summary, start, run.writer, args.tracking)
     if changes:
         console.record.log({"resume/changed": changes}, start)
-    evaluate = make_evaluate(cfg, run.mesh)  # compiled on first use
-    metrics, stopping, flight = {}, False, None
-    with StopSignal() as stop:
+    return compiled, batch
+
+
+def train(args: Args) -> dict:
+    """Train up to --num_epochs generations; return the last metrics (and the parameters). A stop
+    signal ends the run after the generation in flight, saved, exiting 128 + the signal's number;
+    before the first generation it raises Stopped (nothing to save)."""
+    with StopSignal(not cluster.several_processes(args.hosts)) as stop:
+        started, run = time.time(), open_run(args, stop)
+        args, start, progress = run.args, run.start, run.progress
+        console = record.Console(args.num_epochs, start, run.writer, started)
+        if start >= args.num_epochs:
+            console.log(f"nothing to do: the checkpoint is at generation {start} of {args.num_epochs}")
+            return finish(run, progress, {}, True, console)
+        compiled, batch = first_generation(run, console, stop)
+        evaluate = make_evaluate(run.cfg, run.mesh)  # compiled on first use
+        metrics, stopping, flight = {}, False, None
         for generation in range(start, args.num_epochs):
             done = generation + 1
             with awaiting_jax_verdict(args.hosts.heartbeat_timeout):
@@ -1936,9 +1934,9 @@ def train(args: Args) -> dict:
                     flight = None
             if stopping:
                 break
-    last = finish(run, progress, metrics, stopping, console)
-    if stop.received == signal.SIGINT:  # this process was interrupted: the shell's code for Ctrl-C
-        raise SystemExit(130)
+        last = finish(run, progress, metrics, stopping, console)
+    if stopping:  # the code a job script requeues on (docs/design.org)
+        raise SystemExit(cluster.stopped_code(stop))
     return last
 
 
@@ -1948,24 +1946,19 @@ def train(args: Args) -> dict:
 
 
 def sample(args: Args) -> str:
-    """--sample: print a continuation of --prompt by the model of --resume."""
-    flags, resume = args.sampler, args.checkpointing.resume
-    if not resume:
-        raise UserError("--sample needs --resume PATH (a checkpoint folder, or a save_dir)")
+    """--sample: print a continuation of --prompt by the model of --resume (a stop signal: Stopped)."""
+    flags, how = args.sampler, args.checkpointing.resume
     check_ranges(args)
-    found = checkpoints.find_resume(resume, save_dir_of(args))
-    if not found:
-        raise UserError(f"--sample --resume {resume}: no checkpoint in {save_dir_of(args)}")
-    meta, shape, replicas = checkpoints.model_of(found[0])
-    cfg = make_config(single_run(args, **shape))
-    params = checkpoints.load_checkpoint(found[0], expected_arrays(cfg._replace(replicas=replicas)))[0]
-    chosen = meta.get("best_replica", 0) if flags.sample_replica < 0 else flags.sample_replica
-    if replicas > 1 and chosen >= replicas:
-        raise UserError(f"--sample_replica {chosen}: {found[0]} holds replicas 0 to {replicas - 1}")
-    if replicas > 1:
-        print(f"replica {chosen} of {replicas} ({pbt.settings_text(meta['replica_settings'][chosen])})")
-    model = jax.tree.map(jnp.asarray, replica_of(params, chosen if replicas > 1 else 0))
-    text = flags.prompt + sampling.printable(sample_text(model, cfg, flags, args.seed))
+    found = resume.sampled(how, save_dir_of(args), flags.sample_replica)
+    cfg = make_config(single_run(args, **found.shape))
+    expected = expected_arrays(cfg._replace(replicas=found.replicas))
+    params = checkpoints.load_checkpoint(found.folder, expected)[0]
+    if found.setting:
+        print(f"replica {found.chosen} of {found.replicas} ({pbt.settings_text(found.setting)})")
+    model = jax.tree.map(jnp.asarray, replica_of(params, found.chosen))
+    with StopSignal() as stop:
+        text = sampling.printable(sample_text(model, cfg, flags, args.seed))
+        stop.check("while sampling")
     print(text)
     return text
 
@@ -1974,8 +1967,7 @@ def prepare_jax(args: Args, platform: str = "") -> Args:
     """Before JAX starts: the platform (`platform`, else --platform), the CPU split (the flags as
     used: --cpu_devices settled) and the compilation cache."""
     p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
-    shards = cluster.prepare(args.hosts, platform, p, g, n, args.rank == 0)
-    cluster.enable_compilation_cache(args.corpus.dir_path)
+    shards = cluster.prepare(args.hosts, platform, p, g, n, args.rank == 0, args.corpus.dir_path)
     return replace(args, cpu_devices=shards)
 
 
@@ -1983,16 +1975,26 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
-        hosts = args.hosts
-        if cluster.several_processes(hosts.coord_addr, hosts.num_procs) and not supervisor.supervised():
-            launched = (Path(__file__).resolve(), argv, run_folder(args), save_dir_of(args), hosts.proc_id)
+        if cluster.several_processes(args.hosts) and not supervisor.supervised():
+            launched = (
+                Path(__file__).resolve(),
+                argv,
+                run_folder(args),
+                save_dir_of(args),
+                args.hosts.proc_id,
+            )
             raise SystemExit(supervisor.supervise(*launched))
         args = prepare_jax(args)
         sample(args) if args.sampler.sample else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except cluster.Stopped as stopped:  # before anything was left to save (docs/design.org: exit codes)
+        raise SystemExit(stopped.say()) from None
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the run has ended: a stop signal now would only interrupt JAX's exit handlers
+        cluster.ignore_stop_signals()

@@ -2,12 +2,13 @@
 flags are a group of its own (a Flags dataclass), which run.Args gathers.
 
     flags.py        what each flag allows (Facts), the command line's forms, the upstream preset
-    files.py        files written whole or not at all (a hidden temporary renamed into place)
+    files.py        files written whole or not at all; a folder owned by one run (a lock)
     corpora.py      training bytes: minipile, stdlib, files and folders, cached; the baselines
-    checkpoints.py  checkpoint folders: written atomically, kept, found, read back and checked
-    cluster.py      devices, processes and signals: the mesh, host copies, the CPU split, memory
-    supervisor.py   a several-process run's launcher: a lost process said in one line
-    record.py       metrics.jsonl and Weights & Biases; the replicas' metric names
+    checkpoints.py  checkpoint folders: written atomically, kept, read back and checked
+    resume.py       which checkpoint a run continues, with which flags; --sample's checkpoint
+    cluster.py      devices, processes, memory and stop signals: the mesh, host copies, the CPU split
+    supervisor.py   a several-process run's launcher: a lost process said in one line, no orphan
+    record.py       metrics.jsonl and Weights & Biases; what the run says; asides that may fail
     diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
     pbt.py          replicas' flags and population-based training: exploit and explore
     sampling.py     text drawn from a model's log2-probabilities, byte by byte

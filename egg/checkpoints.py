@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from egg import UserError
-from egg.files import atomic_file, leftover_of, process_alive, temporary, writable_folder, write_atomic
-from egg.flags import facts_of, flag, value
+from egg.files import atomic_file, temporary, write_atomic
+from egg.flags import flag
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,9 @@ class Flags:
     keep_checkpoints: Annotated[int, *flag("[1, inf)")] = 3
     """periodic checkpoints to keep (the best by validation is kept besides)"""
     resume: str = ""
-    """continue from a checkpoint folder, a save_dir (its latest), or 'auto' (the latest in --save_dir)"""
+    """continue a run: PATH (a run folder, its checkpoints folder or one checkpoint) with that run's own
+    flags, those given here overriding them; or 'auto': the newest checkpoint in --save_dir, with the
+    flags given"""
     allow_changes: bool = False
     """with --resume: continue although flags that change training differ from the checkpoint's (logged)"""
 
@@ -53,27 +55,6 @@ class UnreadableCheckpoint(UserError):
     def __init__(self, folder: Path, reason: str):
         super().__init__(f"checkpoint {folder} is unreadable ({reason}): resume from another one")
         self.folder, self.reason = folder, reason
-
-
-def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> str:
-    """Identity of the training bytes, cheap on any size: their length and the SHA-256 of
-    `samples` pieces of `size` bytes at evenly spaced places (the whole of a small corpus)."""
-    starts = np.linspace(0, max(len(data) - size, 0), samples).astype(np.int64)
-    digest = hashlib.sha256(np.int64(len(data)).tobytes())
-    for start in starts:
-        digest.update(np.asarray(data[start : start + size]).tobytes())
-    return f"{len(data):,} bytes #{digest.hexdigest()[:12]}"
-
-
-def training_identity(args, population: int, max_step: int, data: np.ndarray) -> dict:
-    """Everything besides the generation counter that decides how a run trains: the flags whose
-    Facts say so (max_step as resolved), the total population (members per device x devices: the
-    device count alone changes nothing) and the training bytes. --num_epochs is not one: the alpha
-    schedule, the noise and the data position depend on the generation counter only, so a run may
-    be extended."""
-    identity = {name: value(args, name) for name, facts in facts_of(type(args)).items() if facts.training}
-    identity = {k: list(v) if isinstance(v, tuple) else v for k, v in identity.items()}  # as JSON has them
-    return {**identity, "max_step": max_step, "population": population, "data": data_fingerprint(data)}
 
 
 def save_checkpoint(folder: Path, params, opt, states, meta: dict) -> None:
@@ -172,136 +153,6 @@ def checkpoints_in(save_dir: Path) -> list[Path]:
     return sorted(p for p in save_dir.glob("gen-*") if p.is_dir())
 
 
-def find_resume(resume: str, save_dir: Path) -> list[Path]:
-    """Checkpoints to try, best first: --resume PATH (a checkpoint, or a save_dir's newest) or
-    auto (the newest in save_dir, then older ones should it be unreadable). Newest means the
-    highest generation, not LATEST: a kill between a checkpoint's rename and LATEST's leaves
-    LATEST one save behind, and that complete checkpoint must not be skipped."""
-    if resume == "auto":
-        return checkpoints_in(save_dir)[::-1]
-    path = Path(resume).expanduser()
-    if checkpoints_in(path):
-        path = checkpoints_in(path)[-1]
-    if not (path / "meta.json").exists():
-        raise UserError(f"--resume {resume}: no checkpoint there (a folder with meta.json, or a save_dir)")
-    return [path]
-
-
-def set_aside(folder: Path) -> Path | None:
-    """Rename an unreadable checkpoint folder to corrupt-NAME (corrupt-NAME-2, ... if taken): kept
-    for inspection, never deleted, and out of the way of the save that will reuse its name.
-    None if there is no such folder or it cannot be renamed."""
-    for k in range(1, 1000):
-        target = folder.with_name(f"corrupt-{folder.name}" + (f"-{k}" if k > 1 else ""))
-        if not target.exists():
-            break
-    try:
-        folder.rename(target)
-    except OSError:
-        return None
-    return target
-
-
-def check_format(meta: dict, folder: Path, identity: dict) -> None:
-    """Refuse a checkpoint of another format than CHECKPOINT_FORMAT, or one that does not record a
-    setting this run's training depends on (it predates the flag), naming the commit that reads it."""
-    found = meta.get("format", 1)
-    missing = sorted(set(identity) - set(meta.get("training") or {}))
-    if found == CHECKPOINT_FORMAT and not missing:
-        return
-    if found > CHECKPOINT_FORMAT:
-        raise UserError(f"--resume: {folder} is of format {found}, newer than this egg-jax's: update it")
-    lacks = f", which records no {', '.join('--' + k for k in missing[:3])}" if missing else ""
-    raise UserError(
-        f"--resume: {folder} was written by an older egg-jax (format {found}{lacks}); continue it with "
-        f"the code of commit {LAST_READER_OF_OLDER}, the last that reads it, or start a new run"
-    )
-
-
-def model_of(folder: Path) -> tuple[dict, dict, int]:
-    """(meta, the model's flags n_embd, n_layer and mlp_relu, the replicas it holds) of a checkpoint."""
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-        flags = meta["args"]
-    except (OSError, ValueError, KeyError):
-        raise UnreadableCheckpoint(folder, "no meta.json with the run's flags") from None
-    shape = ("n_embd", "n_layer", "mlp_relu")
-    check_format(meta, folder, dict.fromkeys(shape))
-    replicas = 1 if "replica" in meta else flags.get("replicas", 1)  # a best-* folder holds one
-    return meta, {k: flags[k] for k in shape}, replicas
-
-
-def training_changes(meta: dict, identity: dict, acts) -> dict[str, tuple]:
-    """{setting: (the checkpoint's value, this run's)} for every setting that differs and acts in
-    both (acts(settings, name); where a flag acts in one only, the flag deciding that differs, and
-    is listed)."""
-    old = meta["training"]
-    both = [k for k in identity if acts(old, k) and acts(identity, k)]
-    return {k: (old[k], identity[k]) for k in both if old[k] != identity[k]}
-
-
-def describe_changes(changes: dict[str, tuple]) -> str:
-    names = {"population": "population", "data": "training data"}
-    return ", ".join(f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items())
-
-
-class Found(NamedTuple):
-    """A checkpoint a run resumes from (load_checkpoint's arrays and meta, and where it is)."""
-
-    params: dict
-    states: np.ndarray | None  # None: another population layout, the states restart
-    opt: dict | None  # None: no state of this run's update rule, it starts afresh
-    meta: dict
-    folder: Path
-    changes: dict  # training changes accepted with --allow_changes (empty otherwise)
-
-
-def resume(
-    how: str, save_dir: Path, expected: Expected, identity: dict, acts, allow_changes: bool, writer: bool
-):
-    """The checkpoint to continue from (--resume `how`: a path, or auto), a Found, or None for a
-    fresh run: a fresh run is refused where save_dir holds checkpoints; a checkpoint of another
-    format, or trained with other settings (identity; acts(settings, name) says where a flag acts),
-    unless allow_changes. Reads only, except that the writer sets aside a checkpoint that auto found
-    unreadable and points LATEST at the one used."""
-    if not how:
-        if checkpoints_in(save_dir) or (save_dir / "LATEST").exists():
-            raise UserError(
-                f"{save_dir} already holds checkpoints: continue them with --resume auto, "
-                "or start another run with --run_name or --save_dir"
-            )
-        return None
-    candidates = find_resume(how, save_dir)
-    for i, folder in enumerate(candidates):
-        try:
-            params, states, opt, meta = load_checkpoint(folder, expected)
-        except UnreadableCheckpoint as error:
-            if how != "auto" or i == len(candidates) - 1:
-                raise
-            aside = set_aside(folder) if writer else None
-            moved = f"; set aside as {aside.name}" if aside else ""
-            print(f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one")
-            continue
-        check_format(meta, folder, identity)
-        changes = training_changes(meta, identity, acts)
-        if changes and not allow_changes:
-            raise UserError(
-                f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
-                "give the checkpoint's values, or --allow_changes to continue with these"
-            )
-        if states is None:
-            print(
-                f"warning: {folder} was trained with another population layout: hidden states restart at zero"
-            )
-        if opt is None:
-            print(f"warning: {folder} holds no --optimizer {identity['optimizer']} state: it starts afresh")
-        if writer and i > 0:
-            write_atomic(save_dir / "LATEST", folder.name.encode())
-        return Found(params, states, opt, meta, folder, changes)
-    print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
-    return None
-
-
 class Checkpointer:
     """Saves every --save_every generations, keeps the last `keep` plus the best by validation
     bits/byte, and points LATEST and BEST at them. Only the writer (process 0) touches the disk;
@@ -312,14 +163,6 @@ class Checkpointer:
         self.dir, self.flags, self.keep, self.writer = save_dir, flags, keep, writer
         self.training = training
         self.best = math.inf
-
-    def check_writable(self) -> None:
-        """Fail early on an unwritable save_dir; remove what a killed save left half-written."""
-        writable_folder(self.dir, "checkpoints to --save_dir")
-        for path in self.dir.glob(".*"):
-            pid = leftover_of(path)
-            if pid is not None and not process_alive(pid):
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def write(
         self, name: str, arrays: tuple, generation: int, val_bpb: float, extra: dict, pointer: str

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,21 +83,28 @@ def enable_compilation_cache(dir_path: str) -> None:
 
 
 def prepare(
-    hosts: Flags, platform: str, members: int, group_size: int, perturbations: int, full_rank: bool
+    hosts: Flags,
+    platform: str,
+    members: int,
+    group_size: int,
+    perturbations: int,
+    full_rank: bool,
+    cache: str,
 ) -> int:
     """Before JAX starts: the platform (`platform`, else --platform, else JAX's choice), the CPU split
     (returned: --cpu_devices as used, split_cpu) for these members per device, groups and distinct
-    perturbations (0: one per member)."""
+    perturbations (0: one per member), and the compilation cache in the folder `cache`."""
+    enable_compilation_cache(cache)
     platform = platform or hosts.platform
     select_platform(platform)
     check_range(Flags, "cpu_devices", hosts.cpu_devices)
-    one = several_processes(hosts.coord_addr, hosts.num_procs) or full_rank
+    one = several_processes(hosts) or full_rank
     return split_cpu(hosts.cpu_devices, platform, members, group_size, perturbations, one)
 
 
-def several_processes(coord_addr: str, num_procs: int) -> bool:
+def several_processes(hosts: Flags) -> bool:
     """Whether this process is one of several: given by hand, or a SLURM job of several tasks."""
-    return bool(coord_addr) or num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return bool(hosts.coord_addr) or hosts.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 def init_distributed(coord_addr: str, num_procs: int, proc_id: int, heartbeat_timeout: int) -> None:
@@ -104,7 +112,7 @@ def init_distributed(coord_addr: str, num_procs: int, proc_id: int, heartbeat_ti
     jax.distributed itself (SLURM with several tasks, and the other clusters it knows). A process
     silent for heartbeat_timeout seconds counts as lost, and JAX terminates every other one (the
     supervisor turns that into one line)."""
-    if not several_processes(coord_addr, num_procs):
+    if not several_processes(Flags(coord_addr=coord_addr, num_procs=num_procs)):
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices; else unused
     timeout = dict(heartbeat_timeout_seconds=heartbeat_timeout)
@@ -227,34 +235,121 @@ def host_memory_left() -> float:
 def memory_left(mesh) -> tuple[float, int]:
     """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
     device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
-    stats = mesh.devices.flat[0].memory_stats() or {}
+    stats = mesh.local_devices[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
     return host_memory_left(), len(mesh.local_devices)
+
+
+def check_memory(mesh, temporaries: float, population: int, unit: int) -> None:
+    """Refuse a compiled step whose temporaries (MiB a device) exceed the memory left (memory_left)
+    before it first runs, naming about the largest --parallel_generations_per_gpu, a multiple of
+    `unit`, that fits: temporaries grow with the population nearly in proportion (a tenth of what
+    is left kept in reserve)."""
+    left, sharing = memory_left(mesh)
+    need = temporaries * 2**20 * sharing
+    if need <= left:
+        return
+    fits = int(population * 0.9 * left / need) // unit * unit
+    advice = (
+        f"--parallel_generations_per_gpu {fits} or less" if fits else "a smaller model (no population fits)"
+    )
+    where = "the host" if mesh.devices.flat[0].platform == "cpu" else "a device"
+    raise UserError(
+        f"population {population}: the generation step needs {need / 2**30:.1f} GiB of temporaries, "
+        f"more than the {left / 2**30:.1f} GiB free on {where}; use {advice}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Stop signals.
 
 
-class StopSignal:
-    """Turns SIGTERM / SIGINT into a request to save and stop after the generation in flight."""
+EXIT_STOPPED = 128  # a run a stop signal ended exits 128 + its number: 130 (SIGINT), 143 (SIGTERM)
 
-    def __init__(self):
-        self.received = None
-        self.previous = {}
+
+class Stopped(BaseException):
+    """A stop signal ended the run where it had nothing to save (`where` says when: main says it in
+    one line and exits EXIT_STOPPED + the signal's number)."""
+
+    def __init__(self, signum: int, where: str = ""):
+        super().__init__(signum, where)
+        self.signum, self.where = signum, where
+
+    def say(self) -> int:
+        """Say it in one line; the exit code."""
+        print(f"stopped by {signal.Signals(self.signum).name} {self.where}", file=sys.stderr)
+        return EXIT_STOPPED + self.signum
+
+
+class StopSignal:
+    """SIGINT and SIGTERM, while entered: a request to stop, which the loop honours after the
+    generation in flight, saving it first. Compiling, a generation, a validation or a checkpoint is
+    never interrupted (an exception inside JAX's compiler can crash the process). Only within
+    interruptible(), where nothing can be left half-done, does a signal raise Stopped at once. A
+    second signal ends the process at once, by that signal. `alone`: the run has this process alone
+    (processes of a run of several stop together, after a generation: stop_requested)."""
+
+    def __init__(self, alone: bool = True):
+        self.received, self.previous, self.raising, self.alone = None, {}, False, alone
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self.handle)
+            self.previous.setdefault(sig, signal.signal(sig, self.handle))
         return self
 
+    def again(self) -> None:
+        """Take the signals back once the processes have joined: jax.distributed installs a SIGTERM
+        handler of its own (its preemption notifier)."""
+        self.__enter__()
+
     def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received is not None:  # the second: at once, as the signal itself would
+            os.write(2, f"\n{name} again: stopping at once\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.received = signum
+        if self.raising:
+            raise Stopped(signum)
+        os.write(
+            2,
+            f"\n{name}: stopping safely, saving a generation in flight ({name} again: at once)\n".encode(),
+        )
+
+    @contextmanager
+    def interruptible(self, where: str):
+        """Within: a signal raises Stopped at once (reading data: nothing of the run's own is
+        written), in a run of this process alone."""
+        self.check(where)
+        self.raising = self.alone
+        try:
+            yield
+        except Stopped as stopped:
+            raise Stopped(stopped.signum, where) from None
+        finally:
+            self.raising = False
+
+    def check(self, where: str) -> None:
+        """Raise Stopped if a signal came, in a run of this process alone; `where` says when."""
+        if self.received is not None and self.alone:
+            raise Stopped(self.received, where)
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def stopped_code(stop: StopSignal) -> int:
+    """The exit code of a run stopped by a signal: this process's, or SIGTERM's where another
+    process of the run received it."""
+    return EXIT_STOPPED + (stop.received or signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    """As the process exits, its run ended: a stop signal would only interrupt JAX's exit handlers."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def stop_requested(stop: StopSignal) -> bool:

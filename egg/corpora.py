@@ -150,9 +150,11 @@ def load_corpus(spec: str, cache_dir: str, flag: str = "--data") -> np.ndarray:
         if not source.exists():
             raise UserError(f"{flag} {spec}: no such path; give a file, a folder, 'stdlib' or 'minipile'")
         if source.is_dir():
-            files = corpus_files(source)
+            files = [f for f in corpus_files(source) if f.stat().st_size]
             if not files:
-                raise UserError(f"{flag} {spec}: the folder holds no files (hidden ones are skipped)")
+                raise UserError(
+                    f"{flag} {spec}: the folder holds no file with bytes in it (hidden ones skipped)"
+                )
             path = concatenate_files(files, Path(cache_dir), source.resolve().name or "root")
         else:
             path = source

@@ -1,11 +1,16 @@
-"""Files written whole or not at all: each is written under a hidden temporary name, .NAME.tmpPID,
-fsynced and renamed into place, so a kill at any moment never leaves half of one under its real
-name, and a later start knows from the PID which leftovers are a dead process's."""
+"""Files written whole or not at all, in folders that have one owner. Each file is written under a
+hidden temporary name, .NAME.tmpPID, fsynced and renamed into place, so a kill at any moment never
+leaves half of one under its real name. A run owns its folders (own): a lock the kernel drops when
+the process ends, however it ends, so a second run is refused while the first lives and a killed
+run never blocks its own resume; what temporaries an owned folder holds are a dead run's."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,10 +22,9 @@ def temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
-def leftover_of(path: Path) -> int | None:
-    """The PID in a temporary's name (temporary), or None for any other name."""
-    match = re.fullmatch(r"\..+\.tmp(\d+)", path.name)
-    return int(match.group(1)) if match else None
+def leftover(path: Path) -> bool:
+    """Whether a name is a temporary's (temporary): in a folder this process owns, a dead run's."""
+    return re.fullmatch(r"\..+\.tmp\d+", path.name) is not None
 
 
 @contextmanager
@@ -43,21 +47,49 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def writable_folder(folder: Path, what: str) -> None:
-    """Create `folder` and write a file in it, or refuse with one line: cannot write WHAT FOLDER."""
+OWNER = ".owner"  # the lock file of a folder a run owns: "host NAME, PID N" while it is held
+
+
+def own(folder: Path, what: str, flag: str, probe: bool = False):
+    """Own `folder` (created if need be) until this process ends: an exclusive lock on its .owner
+    file, which names this host and PID. Returns the open file, to be kept (closing it ends the
+    claim). A folder another live process owns is refused in one line naming that owner; `what` and
+    `flag` say what the folder holds and the flag that would give another. Once owned, the
+    temporaries it holds are a dead run's leftovers, and go. `probe`: only refuse a folder in use,
+    creating and keeping nothing. The lock is flock(2): local filesystems and NFS v4 honour it, and
+    its holder's death, SIGKILL included, ends it."""
+    if probe and not (folder / OWNER).is_file():
+        return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / ".write-test", b"")
-        (folder / ".write-test").unlink()
+        claim = open(folder / OWNER, "a+")
     except OSError as error:
-        raise UserError(f"cannot write {what} {folder}: {error.strerror}") from None
-
-
-def process_alive(pid: int) -> bool:
+        raise unwritable(folder, what, error) from None
     try:
-        os.kill(pid, 0)
-        return pid > 0
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        claim.seek(0)
+        owner = claim.read().strip() or "a process starting"
+        claim.close()
+        in_use = f"{folder} is in use by another run ({owner})"
+        raise UserError(f"{in_use}: wait for it to end, or give this run another {flag}") from None
+    if probe:
+        return claim.close()
+    try:
+        claim.seek(0)
+        claim.truncate()
+        claim.write(f"host {socket.gethostname()}, PID {os.getpid()}\n")
+        claim.flush()
+        write_atomic(folder / ".write-test", b"")  # a file can be written, and renamed into place
+        (folder / ".write-test").unlink()
+        for path in filter(leftover, folder.iterdir()):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError as error:
+        raise unwritable(folder, what, error) from None
+    return claim
+
+
+def unwritable(folder: Path, what: str, error: OSError) -> UserError:
+    """The line refusing a folder that cannot be written: cannot write WHAT FOLDER: why."""
+    reason = "it is a file" if folder.is_file() else error.strerror
+    return UserError(f"cannot write {what} {folder}: {reason}")

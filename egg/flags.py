@@ -119,8 +119,8 @@ def check_range(cls: type, name: str, given, which: str = "") -> None:
     """Refuse a value outside the flag's range with one line naming it; `which` names a replica."""
     facts = facts_of(cls)[name]
     if not facts.admits(given):
-        why = f": {facts.why}" if facts.why else ""
-        raise UserError(f"--{name} must be {facts.allowed()}, got {given}{which}{why}")
+        why = f" ({facts.why})" if facts.why else ""
+        raise UserError(f"--{name} must be {facts.allowed()}{why}, got {given}{which}")
 
 
 def check_ranges(args) -> None:
@@ -168,15 +168,21 @@ def upstream_preset(cls: type) -> dict[str, Any]:
     return {name: f.upstream for name, f in facts_of(cls).items() if f.upstream is not None}
 
 
-def parse(cls: type, argv: list[str]):
+def parse(cls: type, argv: list[str], recorded: dict | None = None):
     """The flags dataclass `cls` from the command line: tyro's forms and the sweeps' booleans; under
-    --algorithm upstream every flag with an upstream value set to it unless given."""
+    --algorithm upstream every flag with an upstream value set to it unless given. `recorded`: a
+    run's flags as flat() wrote them (JSON), the defaults the command line overrides; the preset is
+    in them already (it applies again only where --algorithm is given)."""
     booleans = {
         name for name, (_, hint) in hints_of(cls).items() if hint is bool or bool in typing.get_args(hint)
     }
-    out = tyro_booleans(argv, booleans)
-    args = tyro.cli(cls, args=out, use_underscores=True)  # --help spells flags as upstream does
-    if getattr(args, "algorithm", "") == "upstream":
+    out, defaults = tyro_booleans(argv, booleans), None
+    if recorded:
+        known = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in hints_of(cls)}
+        defaults = replace(cls(), **known)
+    # --help spells flags as upstream does
+    args = tyro.cli(cls, args=out, use_underscores=True, default=defaults)
+    if getattr(args, "algorithm", "") == "upstream" and (not recorded or flag_given(out, "algorithm")):
         preset = upstream_preset(cls)
         given = {k for k in preset if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))}
         args = replace(args, **{k: v for k, v in preset.items() if k not in given})

@@ -5,14 +5,20 @@ a run of several replicas."""
 from __future__ import annotations
 
 import json
+import math
+import shlex
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import jax
+import numpy as np
 import tyro
 
+from egg.checkpoints import checkpoints_in
 from egg.files import write_atomic
 
 
@@ -84,20 +90,31 @@ class RunRecord:
             path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
         self.lines = open(path, "a")
         if flags is not None and flags.track:
-            import wandb
+            with tolerated("starting Weights & Biases", print, "the run records to metrics.jsonl alone"):
+                import wandb
 
-            tags = [flags.tag] if flags.tag else None
-            project, entity = flags.wandb_project, flags.wandb_entity
-            self.wandb = wandb.init(
-                project=project, entity=entity, name=folder.name, config=config, tags=tags
-            )
-            self.wandb.summary.update(summary)
+                tags = [flags.tag] if flags.tag else None
+                project, entity = flags.wandb_project, flags.wandb_entity
+                self.wandb = wandb.init(
+                    project=project, entity=entity, name=folder.name, config=config, tags=tags
+                )
+                self.wandb.summary.update(summary)
 
     def log(self, metrics: dict, generation: int) -> None:
+        """A generation's metrics, to metrics.jsonl and W&B. Should W&B fail, it is dropped (the
+        error raised once, for the caller to say) and the file goes on."""
         if self.lines is None:
             return
         self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
         self.lines.flush()
+        if self.wandb is not None:
+            try:
+                self.log_wandb(metrics, generation)
+            except Exception:
+                self.wandb = None
+                raise
+
+    def log_wandb(self, metrics: dict, generation: int) -> None:
         if self.wandb is not None:
             if "samples/text" in metrics:  # every sample so far, as one table
                 import wandb
@@ -113,6 +130,18 @@ class RunRecord:
             self.lines.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def train_metrics(fitness: np.ndarray, moved: np.ndarray, alpha: float, bits, size: int) -> dict:
+    """A replica's train/ metrics of a generation from its members' fitness (`bits` turns one into
+    bits/byte) and its update's moved counts (of `size` parameters)."""
+    return {
+        "train/bits_per_byte": bits(fitness.mean()),
+        "train/best_bits_per_byte": bits(fitness.max()),
+        "train/worst_bits_per_byte": bits(fitness.min()),
+        "train/moved_fraction": int(np.sum(moved, dtype=np.int64)) / size,
+        "train/alpha": alpha,
+    }
 
 
 def replica_metrics(per_replica: list[dict], settings: list, summary: bool = True) -> dict:
@@ -141,6 +170,26 @@ def describe_spread(scores: list[float]) -> str:
     )
 
 
+def describe_run(name: str, cfg, mesh, cpus: int, size: int, pairs: int, train: int, valid: int) -> str:
+    """A run's first line, said before its step compiles: the model (run.Config cfg, `size`
+    parameters), the devices, the update (`pairs` scored an update), the bytes (train, validation)."""
+    replicas = f"{cfg.replicas} replicas of " * (cfg.replicas > 1)
+    split = f" (one CPU split into {cpus})" if cpus > 1 else ""
+    steps = f", up to {cfg.max_step} steps a move" if cfg.max_step > 1 and cfg.optimizer != "ztest" else ""
+    return (
+        f"egg-jax {name}: {replicas}{size:,} int8 parameters, population {cfg.population} on {mesh.size} "
+        f"{mesh.devices.flat[0].platform} device(s){split} in {jax.process_count()} process(es), "
+        f"{cfg.segments} segment(s) a member ({pairs:,} pairs an update){steps}, {train:,} training bytes, "
+        f"{valid:,} validation bytes; compiling the generation step"
+    )
+
+
+def describe_end(scores: list[float], leader: int, setting: str, epochs: int) -> str:
+    """A finished run's validation: the best replica's (`setting`: its settings, with replicas)."""
+    which = f" (replica {leader} of {len(scores)}, {setting}){describe_spread(scores)}" if setting else ""
+    return f"validation bits/byte {scores[leader]:.4f} after {epochs} generations{which}"
+
+
 def describe_validation(scores: list[float], leader: int) -> str:
     """The best replica's last validation, and with replicas which one and their median."""
     text = f"{scores[leader]:.3f}"
@@ -157,7 +206,8 @@ class Console:
         from tqdm import tqdm
 
         self.log = tqdm.write if writer else (lambda *a, **k: None)  # above the bar, not inside it
-        self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, disable=not writer)
+        self.bar = None  # shown from the first generation on
+        self.new_bar = lambda: tqdm(total=total, initial=start, dynamic_ncols=True, disable=not writer)
         self.start, self.started, self.read, self.timed = start, started, started, []
         self.record = None  # the RunRecord, once opened
 
@@ -172,18 +222,50 @@ class Console:
         return seconds
 
     def show(self, metrics: dict, done: int, scores: list[float], leader: int) -> None:
-        self.record.log(metrics, done)
+        with tolerated(f"recording generation {done}", self.log):
+            self.record.log(metrics, done)
+        self.bar = self.bar or self.new_bar()
         self.bar.update(1)
-        train, rate = f"{metrics['train/bits_per_byte']:.3f}", f"{metrics['perf/tokens_per_s']:,.0f}"
-        self.bar.set_postfix(train=train, val=describe_validation(scores, leader), tok_s=rate)
+        shown = {"train": f"{metrics['train/bits_per_byte']:.3f}"}
+        if not math.isnan(scores[leader]):  # validated at least once
+            shown["val"] = describe_validation(scores, leader)
+        self.bar.set_postfix(**shown, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}")
 
     def close(self, tokens: int) -> None:
         """The mean throughput of the timed generations of `tokens` tokens each; the bar and record closed."""
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         if self.record is not None:
-            self.record.close()
+            with tolerated("closing the record", self.log):
+                self.record.close()
         if self.timed:
             rate = tokens * len(self.timed) / sum(self.timed)
             self.log(
                 f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)"
             )
+
+
+@contextmanager
+def tolerated(what: str, log, after: str = "training goes on"):
+    """An aside of the run (a sample, diagnostics, the record, W&B): an error in it is said in one
+    line, `after` saying what follows, and the run goes on to train and save as it would have."""
+    try:
+        yield
+    except Exception as error:  # whatever it is: an aside never ends a run unsaved
+        log(f"warning: {what} failed ({type(error).__name__}: {error}); {after}")
+
+
+def where_it_went(args, stopped: bool) -> str:
+    """A run's last line (run.Args): its folder, its newest checkpoint and the commands that sample
+    from it and continue it (a finished run: to twice its generations)."""
+    folder, save_dir, epochs = run_folder(args), save_dir_of(args), args.num_epochs
+    saved = checkpoints_in(save_dir)
+    if not saved:
+        return f"the run's record: {folder} (no checkpoint)"
+    resume = folder if save_dir == folder / "checkpoints" else save_dir
+    more = "" if stopped else f" --num_epochs {2 * epochs}"
+    resume = shlex.quote(str(resume))
+    return (
+        f"the run's record: {folder}; its newest checkpoint: {saved[-1]}; sample: python run.py --sample "
+        f"--resume {resume}; continue: python run.py --resume {resume}{more}"
+    )

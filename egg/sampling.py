@@ -1,9 +1,11 @@
 """Text from a model: its next-byte log2-probabilities, read byte by byte, turned into draws
 (--sample from a checkpoint, --sample_every during training): a presence penalty, a temperature,
-min-p; bytes shown with the undecodable ones escaped."""
+min-p; bytes shown with the undecodable and the control ones escaped."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -61,6 +63,17 @@ def continuation(read, prompt: bytes, flags: Flags, seed: int) -> bytes:
     return bytes(out)
 
 
+def prompt_bytes(prompt: str) -> bytes:
+    """--prompt's bytes, any bytes: a command line's undecodable bytes reach Python as surrogates
+    (PEP 383), which os.fsencode turns back into those bytes."""
+    return os.fsencode(prompt)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but newline and tab
+
+
 def printable(data: bytes) -> str:
-    """Bytes as text, with undecodable bytes shown as \\xNN escapes."""
-    return data.decode("utf-8", errors="backslashreplace")
+    """Bytes as text a terminal shows as it is: UTF-8 decoded; undecodable bytes and control
+    characters (ESC, BEL, CR, byte 0...) but newline and tab as escapes, \\xNN (\\u00NN above 127)."""
+    text = data.decode("utf-8", errors="backslashreplace")
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 128 else f"\\u{ord(m[0]):04x}", text)

@@ -6,6 +6,7 @@ newest complete checkpoint and the command that resumes, exiting EXIT_PROCESS_LO
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
@@ -19,14 +20,24 @@ from egg.checkpoints import checkpoints_in
 from egg.files import write_atomic
 
 EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
-SUPERVISED = "EGG_JAX_SUPERVISED"  # set in the process a supervisor runs
+SUPERVISED = "EGG_JAX_SUPERVISED"  # the supervisor's PID, in the environment of the process it runs
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process receives when its parent ends
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
 JAX_TERMINATES = "Terminating process because the JAX distributed service detected fatal errors"
 
 
 def supervised() -> bool:
-    """Whether this process is a supervisor's child."""
-    return SUPERVISED in os.environ
+    """Whether this process is a supervisor's child; if so, it is bound to die with it: killed
+    (SIGKILL) when the supervisor ends, however it ends, so a launcher killed by a scheduler or a
+    user leaves no process behind holding a device (Linux's PR_SET_PDEATHSIG; where the supervisor
+    ended before the binding took, this process ends now)."""
+    if SUPERVISED not in os.environ:
+        return False
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(os.environ[SUPERVISED]):
+        os._exit(EXIT_PROCESS_LOST)
+    return True
 
 
 def lost_processes(log: str) -> str:
@@ -92,10 +103,11 @@ def report_lost_process(
 
 def supervise(script: Path, argv: list[str], run_folder: Path, save_dir: Path, proc: int) -> int:
     """Run `script` with argv as a child and stand by; return the exit code. The child's output, exit
-    code and the stop signals this process is sent pass through; JAX's account of a lost process is
-    kept in <run_folder>/process-N-lost.log and said in one line (EXIT_PROCESS_LOST)."""
-    env = {**os.environ, SUPERVISED: "1"}
-    child = subprocess.Popen([sys.executable, str(script), *argv], env=env, stderr=subprocess.PIPE)
+    code and the stop signals this process is sent pass through, and the child dies with it;
+    JAX's account of a lost process is kept in <run_folder>/process-N-lost.log and said in one line
+    (EXIT_PROCESS_LOST)."""
+    env, command = {**os.environ, SUPERVISED: str(os.getpid())}, [sys.executable, str(script), *argv]
+    child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)  # it binds itself: supervised()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     log = "\n".join(relay_stderr(child))

@@ -120,14 +120,24 @@ def population_and_tokens(flags: list[str]) -> tuple[int, int]:
     return values["--parallel_generations_per_gpu"], values["--tokens_per_update"]
 
 
+def upstream_source(args: Args) -> bytes:
+    """Upstream's run.py at --revision of the --nano_egg clone, or one line and exit."""
+    shown = subprocess.run(
+        ["git", "-C", args.nano_egg, "show", f"{args.revision}:run.py"], capture_output=True
+    )
+    if shown.returncode:
+        why = shown.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["git failed"]
+        raise SystemExit(
+            f"error: --nano_egg {args.nano_egg} --revision {args.revision}: no run.py there ({why[0]})"
+        )
+    return shown.stdout
+
+
 def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
     """Upstream's run.py from a temporary folder, its data as the .npy files it reads."""
     folder = work / "upstream"
     (folder / "cached_files").mkdir(parents=True)
-    source = subprocess.run(
-        ["git", "-C", args.nano_egg, "show", f"{args.revision}:run.py"], capture_output=True, check=True
-    ).stdout
-    (folder / "run.py").write_bytes(source)
+    (folder / "run.py").write_bytes(upstream_source(args))
     train, valid = np.fromfile(args.train, np.uint8), np.fromfile(args.valid, np.uint8)
     for split, data in (("train", train), ("valid", valid), ("test", valid)):
         np.save(folder / "cached_files" / f"minipile_{split}.npy", data)
@@ -203,6 +213,8 @@ def main(args: Args) -> None:
         if not Path(path).is_file():
             raise SystemExit(f"error: {path}: no such file")
     population_and_tokens(shlex.split(args.flags))  # fail now, not after upstream's run
+    if args.only in ("both", "upstream"):
+        upstream_source(args)
     common = ["--validation_batch_size", str(VALIDATION_BATCH), "--num_epochs", str(args.num_epochs)]
     common += ["--validate_every", str(args.validate_every), *shlex.split(args.flags)]
     work = Path(tempfile.mkdtemp(prefix="side-by-side-"))

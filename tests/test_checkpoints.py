@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from helpers import (
 )
 
 import run
-from egg import checkpoints, cluster, files
+from egg import checkpoints, cluster, files, resume
 
 
 def start(*flags, runs):
@@ -273,9 +274,10 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
             np.testing.assert_array_equal(f[key], opt[key], err_msg=key)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code):
-    """SIGTERM (what schedulers send) exits 0, SIGINT (Ctrl-C) 130, both after saving."""
+    """SIGTERM (what schedulers send) exits 143, SIGINT (Ctrl-C) 130, both after saving: a job
+    script tells a stopped run, to requeue, from a finished one (0)."""
     proc = start("--num_epochs", "100000", "--save_every", "0", runs=tmp_path)
     wait_for(
         lambda: (
@@ -374,19 +376,42 @@ def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path
     saver.save(3, with_axis(params, {}, states), 9.0, {})
     checkpoints.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
-    assert checkpoints.find_resume("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
-    assert checkpoints.find_resume(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
-    assert checkpoints.find_resume(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
+    assert resume.find_checkpoints("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
+    assert resume.find_checkpoints(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
+    assert resume.find_checkpoints(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
 
 
-def test_leftovers_of_a_killed_save_are_removed_at_start(tmp_path):
-    dead, alive = tmp_path / ".gen-00000005.tmp999999999", tmp_path / f".gen-00000006.tmp{os.getpid()}"
+def test_a_folder_has_one_owner_and_its_leftovers_go_when_it_is_owned(tmp_path):
+    """own(): a dead run's temporaries go (the folder is the owner's alone); a second claim, from
+    another process, is refused in one line naming the owner; the owner's death ends its claim."""
+    dead = tmp_path / ".gen-00000005.tmp999999999"
     dead.mkdir()
     (dead / "params.npz").write_bytes(b"half")
-    alive.mkdir()
-    (tmp_path / ".LATEST.tmp999999999").write_text("gen-00000005")
-    checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=3).check_writable()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name]
+    (tmp_path / ".LATEST.tmp12").write_text("gen-00000005")
+    (tmp_path / "gen-00000004").mkdir()
+    claim = files.own(tmp_path, "checkpoints to --save_dir", "--save_dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".owner", "gen-00000004"]
+    assert (tmp_path / ".owner").read_text() == f"host {socket.gethostname()}, PID {os.getpid()}\n"
+    other = (
+        f"from egg import files; files.own(__import__('pathlib').Path({str(tmp_path)!r}), 'x', '--save_dir')"
+    )
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import egg, sys\ntry:\n    {other}\nexcept egg.UserError as e:\n    sys.exit(str(e))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert refused.returncode == 1 and refused.stderr == (
+        f"{tmp_path} is in use by another run (host {socket.gethostname()}, PID {os.getpid()}): "
+        "wait for it to end, or give this run another --save_dir\n"
+    )
+    claim.close()  # as the process's end would
+    taken = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, cwd=ROOT)
+    assert taken.returncode == 0, taken.stderr
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path):
@@ -420,7 +445,9 @@ def test_checkpoint_bad_input(tmp_path, capsys):
     assert result.returncode == 0 and "trying an older one" in result.stdout, result.stderr[-1000:]
     assert f"resuming from {folder / 'gen-00000002'} at generation 2" in result.stdout
     # no checkpoint at an explicit path
-    one_line_error(in_process(capsys, *base, "--resume", str(tmp_path / "nothing")), "no checkpoint there")
+    one_line_error(
+        in_process(capsys, *base, "--resume", str(tmp_path / "nothing")), "no such path; give a run folder"
+    )
     # an unwritable save_dir or runs_dir (a path below a regular file)
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -19,7 +19,9 @@ BAD_INPUT = [
     # conftest.py sets the device count through XLA_FLAGS, as a user may
     (["--cpu_devices", "2"], "--cpu_devices 2: XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count"),
     (["--data", "EMPTY"], "--data EMPTY: the file is empty"),
-    (["--data", "FOLDER"], "--data FOLDER: the folder holds no files"),
+    (["--data", "FOLDER"], "--data FOLDER: the folder holds no file with bytes in it"),
+    (["--data", "EMPTIES"], "--data EMPTIES: the folder holds no file with bytes in it"),
+    (["--rank", "9999"], "--rank must be in [0, 64] (0: full-rank noise), got 9999"),
     (["--data", "INT32.npy"], "--data INT32.npy: holds a int32 array"),
     (["--data", "BROKEN.npy"], "--data BROKEN.npy: not a readable .npy array"),
     (["--data", "SHORT", "--valid_data", "/no/such/file"], "--valid_data /no/such/file: no such path"),
@@ -54,12 +56,15 @@ def bad_input_files(folder):
     (folder / "short.txt").write_bytes(b"tiny corpus " * 20)
     (folder / "nothing").mkdir()
     (folder / "nothing" / ".hidden").write_bytes(b"skipped")
+    (folder / "empties").mkdir()
+    (folder / "empties" / "empty.txt").write_bytes(b"")
     np.save(folder / "int32.npy", np.arange(1000, dtype=np.int32))
     (folder / "broken.npy").write_bytes(b"not an array")
     names = {
         "EMPTY": "empty.txt",
         "SHORT": "short.txt",
         "FOLDER": "nothing",
+        "EMPTIES": "empties",
         "INT32.npy": "int32.npy",
         "BROKEN.npy": "broken.npy",
     }

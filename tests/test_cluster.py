@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from helpers import ROOT, TINY, checkpoint_digest
 
@@ -45,12 +46,12 @@ def launch(devices, flags, runs):
     )
 
 
-def wait(*procs):
-    """Every process's output, once all have ended well."""
+def wait(*procs, code=0):
+    """Every process's output, once all have ended well (exit `code`)."""
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.returncode == code, err[-3000:]
         outs.append(out)
     return outs
 
@@ -155,7 +156,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
         assert time.time() < deadline, "no third generation logged within 240 s"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)  # the process that neither logs nor writes
-    outs = wait(*procs)
+    outs = wait(*procs, code=128 + signal.SIGTERM)  # stopped, to be resumed: both say so
     stopped = [line for out in outs for line in out.splitlines() if "stopped by signal" in line]
     generation = int(stopped[0].split("after generation ")[1].split(":")[0])
     assert [s.split(" stopped")[1] for s in stopped] == [stopped[0].split(" stopped")[1]] * 2
@@ -230,10 +231,32 @@ def test_only_fitness_crosses_devices_and_the_sharded_programs_have_no_float():
         assert max(size for _, size in collectives) < params
 
 
+def alive(pid: int) -> bool:
+    """Whether a process exists and is no zombie (a killed child whose parent died may stay one
+    where PID 1 reaps nobody)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
 def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_another_layout(tmp_path):
-    """2 processes x 2 devices, --heartbeat_timeout 5: process 1 (its supervisor and its child) is
-    killed once a checkpoint of generation 8 exists. Process 0 must end within the timeout and a
-    few seconds, exit 75, and say in one line which process was lost, the newest complete
+    """2 processes x 2 devices, --heartbeat_timeout 5: process 1's launcher (its supervisor) alone
+    is SIGKILLed once a checkpoint of generation 8 exists, as a scheduler or a user kills the PID it
+    started. Its child, which trains, must die with it at once (no orphan holding a device).
+    Process 0 must end within the timeout and a few seconds, exit 75, and say in one line which
+    process was lost, the newest complete
     checkpoint and the command that resumes; no C++ stack trace, no Python traceback. The run then
     continues from that checkpoint as 1 process on 1 device, and ends bit-identical to one never
     interrupted, run as 1 process on 4 devices."""
@@ -244,8 +267,12 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     while not (checkpoints / "gen-00000008").exists():
         assert time.time() < deadline and procs[0].poll() is None, "no checkpoint of generation 8 in 240 s"
         time.sleep(0.05)
-    os.killpg(procs[1].pid, signal.SIGKILL)
+    (child,) = children_of(procs[1].pid)
+    os.kill(procs[1].pid, signal.SIGKILL)
     lost_at = time.time()
+    while alive(child):
+        assert time.time() < lost_at + 5, "the launcher's child outlived it"
+        time.sleep(0.05)
     _, err = procs[0].communicate(timeout=120)
     seconds = time.time() - lost_at
     procs[1].communicate(timeout=30)

@@ -113,7 +113,10 @@ def range_cases() -> list[tuple[list[str], str]]:
         for end, is_open, step in ((facts.low, facts.open[0], -1), (facts.high, facts.open[1], 1)):
             if math.isfinite(end):
                 value = outside(end, is_open, step, kind)
-                cases.append(([f"--{name}", str(value)], f"--{name} must be {facts.allowed()}, got {value}"))
+                why = f" ({facts.why})" if facts.why else ""
+                cases.append(
+                    ([f"--{name}", str(value)], f"--{name} must be {facts.allowed()}{why}, got {value}")
+                )
     return cases
 
 

@@ -56,7 +56,7 @@ def model():
 def test_sampling_is_reproducible_for_a_seed():
     args, cfg, params = model()
     first = run.sample_text(params, cfg, args, seed=1)
-    assert len(first) == 40
+    assert len(first) == 4 + 40 and first.startswith(b"def ")
     assert run.sample_text(params, cfg, args, seed=1) == first
     assert run.sample_text(params, cfg, args, seed=2) != first
 
@@ -65,7 +65,7 @@ def test_min_p_one_at_low_temperature_is_greedy_decoding():
     args, cfg, params = model()
     args = dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
 
-    got = run.sample_text(params, cfg, args, seed=5)
+    got = run.sample_text(params, cfg, args, seed=5).removeprefix(b"def ")
     read, h = run.make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
     h, logits, _ = read(params, h, np.frombuffer(b"\0def ", np.uint8)[None])
     for byte in got:  # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
@@ -74,8 +74,11 @@ def test_min_p_one_at_low_temperature_is_greedy_decoding():
     assert len(got) == 12
 
 
-def test_undecodable_bytes_are_shown_safely():
+def test_undecodable_and_control_bytes_are_shown_safely():
     assert sampling.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
+    shown = sampling.printable(b"\x1b[2J\x07\r\x00line\nnext\ttab \xc2\x85 \x7f")
+    assert shown == "\\x1b[2J\\x07\\x0d\\x00line\nnext\ttab \\u0085 \\x7f"
+    assert sampling.prompt_bytes("\udcff\udcfe caf\u00e9") == b"\xff\xfe caf\xc3\xa9"  # as argv gives them
 
 
 def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
@@ -105,5 +108,5 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     expected = sampling.printable(
         run.sample_text(params, cfg, dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4)
     )
-    assert result.stdout.rstrip("\n") == "import " + expected
+    assert result.stdout.rstrip("\n") == expected
     one_line_error(in_process(capsys, "--sample"), "--sample needs --resume")

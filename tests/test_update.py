@@ -13,7 +13,7 @@ from helpers import upstream_args as upstream
 from reference import round_half_away
 
 import run
-from egg import checkpoints, flags
+from egg import flags, resume
 
 
 def tiny(**overrides):
@@ -491,7 +491,7 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
         )
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
-        return cfg.max_step, checkpoints.training_identity(
+        return cfg.max_step, resume.training_identity(
             args, cfg.population, cfg.max_step, np.zeros(8, np.uint8)
         )["max_step"]
 
