@@ -168,7 +168,8 @@ def print_table(args: Args, kinds: list[Kind], rounds: int, mesh) -> dict[str, f
     """The benchmark's table; returns the tokens/s of each kind timed, by letter."""
     device, memory_kind = jax.devices()[0], cluster.peak_memory()[1]
     cfg = kinds[0].cfg
-    model = f"model {args.n_embd}D-{args.n_layer}L ({run.num_parameters(cfg):,} parameters)"
+    shape = f"{args.architecture.n_embd}D-{args.architecture.n_layer}L"
+    model = f"model {shape} ({run.num_parameters(cfg):,} parameters)"
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
     members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
     turns = [k.label[0] for k in kinds if not k.label.startswith("d")]
@@ -400,7 +401,7 @@ def print_target_report(args: Args, cfg: run.Config, roofline, seconds: float, k
     in_layers = f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
     lines = [
         f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's GPU "
-        f"pipeline, untuned GEMM tiles); model {args.n_embd}D-{args.n_layer}L; population "
+        f"pipeline, untuned GEMM tiles); model {cfg.n_embd}D-{cfg.n_layer}L; population "
         f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in {seconds:.1f} s",
         f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",
         "largest kernels by bytes: " + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),

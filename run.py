@@ -12,13 +12,12 @@ perturbations (noise from a counter-based RNG, never stored), and moves each par
 a test on the fitness-weighted noise passes. One compiled step trains K >= 1 models side by side
 (--replicas): every array of a run has a leading replica axis, and a single run is K = 1.
 
-This file holds the algorithm and its loop. It reads top to bottom, one ruler per section: Args,
-constants, integer math, model, GPU product kernel, forward, noise, ES step, integer ranges, flags,
-data stream, sampling and diagnostics, loop, and main. Importing it does nothing: `python run.py`
-calls main(). Beside it, egg/ holds the tools a run uses and never imports this file (its
-__init__.py lists them: flags, files, corpora, checkpoints, devices and processes, the supervisor,
-the record, diagnostics, population-based training, sampling, HLO reading); bench.py (the benchmark
-and the deviceless GPU report), compare.py (learning comparisons), scripts/ and baselines/ import it.
+This file holds the algorithm and its loop, top to bottom, one ruler per section: Args, constants,
+integer math, model, GPU product kernel, forward, noise, ES step, integer ranges, flags, data
+stream, sampling and diagnostics, loop, and main. Importing it does nothing: `python run.py` calls
+main(). Beside it, egg/ holds the tools a run uses (flags, files, corpora, checkpoints and resume,
+devices and processes, the record, diagnostics, PBT, sampling, HLO reading: its __init__.py) and
+never imports this file; bench.py, compare.py, scripts/ and baselines/ import it.
 """
 
 from __future__ import annotations
@@ -35,13 +34,12 @@ from typing import Annotated, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 
-from egg import UserError, checkpoints, cluster, corpora, pbt, record, resume, sampling, supervisor
+from egg import UserError, checkpoints, cluster, corpora, flags, pbt, record, resume, sampling, supervisor
 from egg import diagnostics as diagnosis
 from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_copy, local_copy, stop_requested
 from egg.files import own
-from egg.flags import acts, check_range, check_ranges, facts_of, flag, flag_given, flat, parse, replace
+from egg.flags import check_range, check_ranges, flag, flat, parse, replace, section
 from egg.hlo import Compiled, compile_now
 from egg.record import describe_spread, replica_metrics, run_folder, save_dir_of, tolerated
 
@@ -55,6 +53,20 @@ INT16 = "its running sum is int16"
 Rule = Literal["ztest", "momentum", "adam"]
 # where a flag acts: under these update rules
 WITH_M, WITH_V, ZTEST_ONLY = (("optimizer", rules) for rules in (("momentum", "adam"), ("adam",), ("ztest",)))
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
+    """number of minGRU blocks"""
+    n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
+    """width of the residual stream (a multiple of 4)"""
+    mlp_relu: Annotated[bool, *flag(training=True)] = False
+    """a ReLU between the MLP's two matrices (upstream has none)"""
+    init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
+    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16; 0: zeros)"""
+    kernels: Literal["auto", "xla", "pallas"] = "auto"
+    """products by the Pallas kernel (interpreted on the CPU) or XLA (auto: pallas on a GPU); the same bits"""
 
 
 @dataclass(frozen=True)
@@ -109,18 +121,6 @@ class Args:
     null_from_scores: Annotated[bool, *flag(training=True, acts_if=ZTEST_ONLY)] = False
     """ztest: scale the null std by sqrt(this generation's sum of squared scores / its expected value)"""
 
-    # model
-    n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
-    """number of minGRU blocks"""
-    n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
-    """width of the residual stream (a multiple of 4)"""
-    mlp_relu: Annotated[bool, *flag(training=True)] = False
-    """a ReLU between the MLP's two matrices (upstream has none)"""
-    init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
-    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16; 0: zeros)"""
-    kernels: Literal["auto", "xla", "pallas"] = "auto"
-    """products by the Pallas kernel (interpreted on the CPU) or XLA (auto: pallas on a GPU); the same bits"""
-
     # validation
     validate_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between noise-free validations (0: only at the end)"""
@@ -129,20 +129,22 @@ class Args:
     validation_tokens: Annotated[int, *flag("[0, inf)")] = 0
     """bytes per validation row (0: the whole held-out part)"""
 
-    # the tools' flags (egg/), each group apart in --help
-    corpus: Annotated[corpora.Flags, tyro.conf.OmitArgPrefixes] = corpora.Flags()
+    # the model's flags, and the tools' (egg/): each group apart in --help, each flag still --NAME
+    architecture: Annotated[ModelFlags, *section("model")] = ModelFlags()
+    """the int8 minGRU: its shape, its start, how its products run"""
+    corpus: Annotated[corpora.Flags, *section("data")] = corpora.Flags()
     """the training and validation bytes"""
-    replication: Annotated[pbt.Flags, tyro.conf.OmitArgPrefixes] = pbt.Flags()
+    replication: Annotated[pbt.Flags, *section("pbt")] = pbt.Flags()
     """replicas and population-based training"""
-    sampler: Annotated[sampling.Flags, tyro.conf.OmitArgPrefixes] = sampling.Flags()
+    sampler: Annotated[sampling.Flags, *section("sampling")] = sampling.Flags()
     """text from a checkpoint's model (--sample) or during training (--sample_every)"""
-    checkpointing: Annotated[checkpoints.Flags, tyro.conf.OmitArgPrefixes] = checkpoints.Flags()
+    checkpointing: Annotated[checkpoints.Flags, *section("checkpoints")] = checkpoints.Flags()
     """checkpoints, resume"""
-    tracking: Annotated[record.Flags, tyro.conf.OmitArgPrefixes] = record.Flags()
+    tracking: Annotated[record.Flags, *section()] = record.Flags()
     """the run's record (runs/RUN_NAME/metrics.jsonl) and Weights & Biases"""
-    hosts: Annotated[cluster.Flags, tyro.conf.OmitArgPrefixes] = cluster.Flags()
+    hosts: Annotated[cluster.Flags, *section("cluster")] = cluster.Flags()
     """several hosts (jax.distributed; detected automatically under SLURM), and the CPU's devices"""
-    health: Annotated[diagnosis.Flags, tyro.conf.OmitArgPrefixes] = diagnosis.Flags()
+    health: Annotated[diagnosis.Flags, *section("diagnostics")] = diagnosis.Flags()
     """the int8 activations' and parameters' health"""
 
 
@@ -1400,13 +1402,13 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
     auto = "pallas" if gpu else "xla"  # --kernels auto
-    kernels = {"xla": "xla", "pallas": "pallas" if gpu else "interpret"}.get(args.kernels, auto)
+    kernels = {"xla": "xla", "pallas": "pallas" if gpu else "interpret"}.get(args.architecture.kernels, auto)
     segments = min(args.segments or AUTO_SEGMENTS, args.tokens_per_update)
     derived = dict(population=population, tokens=args.tokens_per_update, devices=devices, kernels=kernels)
     derived |= dict(segments=segments, noise_per_segment=gpu, replicas=args.replication.replicas)
     derived["distinct_pairs"] = (args.num_perturbations or population) // 2
     # the rest as the flags of the same names say
-    cfg = Config(**{k: derived[k] if k in derived else getattr(args, k) for k in Config._fields})
+    cfg = Config(**{k: derived[k] if k in derived else flat(args)[k] for k in Config._fields})
     while not args.segments and cfg.segments > 1 and max(accumulator_bounds(cfg).values())[0] > INT32_MAX:
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as the int32 bounds allow
     return cfg._replace(max_step=args.max_step or (2 if scored_pairs(cfg) >= STEP2_PAIRS else 1))
@@ -1455,7 +1457,7 @@ def check_args(args: Args) -> None:
         (p % 2, f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}"),
         (g % 2 or p % g, f"--group_size must be even and divide the population {p}, got {g}"),
         (n and (n % 2 or p % n), f"--num_perturbations must be even and divide the population {p}, got {n}"),
-        (args.n_embd % 4, f"--n_embd must be a multiple of 4, got {args.n_embd}"),
+        (args.architecture.n_embd % 4, f"--n_embd must be a multiple of 4, got {args.architecture.n_embd}"),
         (proc >= procs, f"--proc_id must be below --num_procs, got {proc} of {procs}"),
         (rep.pbt_every and k < 4, pbt_refusal),
     ]
@@ -1493,7 +1495,7 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
 def parse_args(argv: list[str], cls: type = None) -> Args:
     """Args (or a subclass's flags: bench.py's) from the command line (egg/flags.py: tyro's forms,
     the sweeps' booleans, the --algorithm upstream preset); with --resume PATH, over that run's."""
-    if flag_given(argv, "benchmark"):
+    if flags.flag_given(argv, "benchmark"):
         raise UserError("--benchmark: run python bench.py with the same flags (with --target h100: the GPU)")
     args = parse(cls or Args, argv)
     recorded = resume.run_flags(args.checkpointing.resume)  # --resume PATH: that run's flags
@@ -1594,7 +1596,7 @@ def make_reader(cfg: Config, collect: bool = False):
     return jax.jit(read)
 
 
-def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
+def sample_text(params, cfg: Config, sampler: sampling.Flags, seed: int) -> bytes:
     """--prompt and its continuation by --max_new_bytes bytes (egg/sampling.py draws them, the same
     for a seed), the prompt read after a byte 0 (the document separator); the last logits of each call
     (log2-probabilities at LOGIT_FRAC) are read on the host as bits: a sync point."""
@@ -1606,8 +1608,8 @@ def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
             h, logits, _ = read(params, h, np.array([[byte]], np.uint8))
         return np.asarray(logits[0], np.float64) / 2**LOGIT_FRAC
 
-    prompt = sampling.prompt_bytes(flags.prompt)
-    return prompt + sampling.continuation(next_bits, b"\0" + prompt, flags, seed)
+    prompt = sampling.prompt_bytes(sampler.prompt)
+    return prompt + sampling.continuation(next_bits, b"\0" + prompt, sampler, seed)
 
 
 def activations(params, rows: np.ndarray, cfg: Config) -> dict:
@@ -1639,9 +1641,10 @@ def expected_arrays(cfg: Config) -> checkpoints.Expected:
 
 def starting_point(args: Args, save_dir: Path, cfg: Config, identity: dict, writer: bool) -> tuple:
     """(params, opt, states) on the host, each with the replica axis, the replicas' settings, and the
-    checkpoint continued (egg/checkpoints.py finds and checks it) or None: a fresh run's, or the
+    checkpoint continued (egg/resume.py finds and checks it) or None: a fresh run's, or the
     checkpoint's, whose states or update rule state start afresh where they cannot carry over."""
-    how, allow, acting = args.checkpointing.resume, args.checkpointing.allow_changes, partial(acts, Args)
+    how, allow = args.checkpointing.resume, args.checkpointing.allow_changes
+    acting = partial(flags.acts, Args)  # where a flag acts: a change that does not is no change
     found = resume.continue_from(how, save_dir, expected_arrays(cfg), identity, acting, allow, writer)
     if found is None:
         return init_run(cfg, replicas_of(args)), replicas_of(args), None
@@ -1657,8 +1660,7 @@ def starting_point(args: Args, save_dir: Path, cfg: Config, identity: dict, writ
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh]:
     """Join the other processes and start the mesh: (the flags as used, the mesh). On an accelerator
     JAX chose, the CPU split does not apply."""
-    hosts = args.hosts
-    cluster.init_distributed(hosts.coord_addr, hosts.num_procs, hosts.proc_id, hosts.heartbeat_timeout)
+    cluster.init_distributed(args.hosts)
     mesh = cluster.population_mesh(POP)
     return (args if mesh.devices.flat[0].platform == "cpu" else replace(args, cpu_devices=1)), mesh
 
@@ -1812,7 +1814,7 @@ def validation_phase(run: Run, evaluate, progress: Progress, done: int, log) -> 
         best = replica_of(jax.tree.map(host_copy, carry), leader)  # every process takes part: a sync point
         run.checkpointer.offer_best(done, best, scores[leader], which)
     if due(run.args.replication.pbt_every, done):
-        sigma = facts_of(Args)["sigma_shift"]  # explored within its range
+        sigma = flags.facts_of(Args)["sigma_shift"]  # explored within its range
         source, replicas, lineage = pbt.pbt_step(scores, replicas, run.args.seed, done, sigma[:2])
         carry, metrics["pbt/lineage"] = pbt.copy_replicas(carry, source), lineage
         log(f"generation {done}: population-based training: {pbt.describe_lineage(lineage)}")
@@ -1877,11 +1879,10 @@ def first_generation(run: Run, console: record.Console, stop: StopSignal) -> tup
     """What precedes the first generation: said before the step compiles and after, its memory
     checked, the record opened. Returns (the compiled step, the first batch)."""
     cfg, start, args, resumed = run.cfg, run.start, run.args, run.resumed
-    changes = resume.describe_changes(resumed.changes) if resumed else ""
+    changes = resume.describe_changes(resumed.changes) if resumed else ""  # what --allow_changes let by
     if resumed is not None:
-        console.log(f"resuming from {resumed.folder} at generation {start}")
-    if changes:
-        console.log(f"continuing with changed settings (--allow_changes): {changes}")
+        said = f"resuming from {resumed.folder} at generation {start}"
+        console.log(said + (f"; changed: {changes}" if changes else ""))
     sizes = (num_parameters(cfg), scored_pairs(cfg), len(run.data.train), run.data.valid_rows.size)
     console.log(record.describe_run(run_folder(args).name, cfg, run.mesh, args.hosts.cpu_devices, *sizes))
     batch, inputs = batch_on_mesh(run, start), replica_inputs(cfg, run.progress.replicas, start)
@@ -1947,9 +1948,9 @@ def train(args: Args) -> dict:
 
 def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by the model of --resume (a stop signal: Stopped)."""
-    flags, how = args.sampler, args.checkpointing.resume
+    sampler, how = args.sampler, args.checkpointing.resume
     check_ranges(args)
-    found = resume.sampled(how, save_dir_of(args), flags.sample_replica)
+    found = resume.sampled(how, save_dir_of(args), sampler.sample_replica)
     cfg = make_config(single_run(args, **found.shape))
     expected = expected_arrays(cfg._replace(replicas=found.replicas))
     params = checkpoints.load_checkpoint(found.folder, expected)[0]
@@ -1957,7 +1958,7 @@ def sample(args: Args) -> str:
         print(f"replica {found.chosen} of {found.replicas} ({pbt.settings_text(found.setting)})")
     model = jax.tree.map(jnp.asarray, replica_of(params, found.chosen))
     with StopSignal() as stop:
-        text = sampling.printable(sample_text(model, cfg, flags, args.seed))
+        text = sampling.printable(sample_text(model, cfg, sampler, args.seed))
         stop.check("while sampling")
     print(text)
     return text
@@ -1976,14 +1977,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(argv)
         if cluster.several_processes(args.hosts) and not supervisor.supervised():
-            launched = (
-                Path(__file__).resolve(),
-                argv,
-                run_folder(args),
-                save_dir_of(args),
-                args.hosts.proc_id,
-            )
-            raise SystemExit(supervisor.supervise(*launched))
+            raise SystemExit(supervisor.supervise(Path(__file__).resolve(), argv, args))
         args = prepare_jax(args)
         sample(args) if args.sampler.sample else train(args)
     except UserError as error:

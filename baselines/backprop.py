@@ -66,7 +66,7 @@ def l1_norm(x, gain):
 
 
 def init_mingru(key, args: Args) -> dict:
-    n, layers = args.n_embd, args.n_layer
+    n, layers = args.architecture.n_embd, args.architecture.n_layer
     shapes = dict(Wf=(n, n), Uf=(n, n), Wh=(n, n), Uh=(n, n), W1=(4 * n, n), W2=(n, 4 * n))
     keys = iter(jax.random.split(key, 2 + len(shapes)))
     params = {
@@ -111,7 +111,7 @@ def mingru_forward(params, h, tokens):
 
 
 def init_transformer(key, args: Args) -> dict:
-    n, layers = args.n_embd, args.n_layer
+    n, layers = args.architecture.n_embd, args.architecture.n_layer
     keys = iter(jax.random.split(key, 8))
 
     def dense(rows, cols):
@@ -188,7 +188,7 @@ def make_step(forward, optimizer):
 def validation_bits(forward, params, rows: np.ndarray, args: Args) -> float:
     """Bits/byte on run.py's validation rows, each from a zero state: the minGRU over the whole row,
     the Transformer window by window (each a fresh context)."""
-    zero = jnp.zeros((rows.shape[0], args.n_layer, args.n_embd))
+    zero = jnp.zeros((rows.shape[0], args.architecture.n_layer, args.architecture.n_embd))
     if args.model == "mingru":
         logits, _ = jax.jit(forward)(params, zero, jnp.asarray(rows[:, :-1]))
         return float(bits(logits, jnp.asarray(rows[:, 1:])))
@@ -215,7 +215,7 @@ def train(args: Args) -> dict:
     params = init(jax.random.key(args.seed), args)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
     opt_state, step = optimizer.init(params), make_step(forward, optimizer)
-    state = jnp.zeros((args.batch_size, args.n_layer, args.n_embd))
+    state = jnp.zeros((args.batch_size, args.architecture.n_layer, args.architecture.n_embd))
     name = args.tracking.run_name or f"backprop-{args.model}-{Path(args.corpus.data).stem}-seed{args.seed}"
     folder = Path(args.tracking.runs_dir) / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from typing import Annotated, NamedTuple
 
 import jax
 import numpy as np
+import tyro
 
 from egg import UserError
 from egg.files import atomic_file, temporary, write_atomic
@@ -31,8 +32,10 @@ from egg.flags import flag
 
 @dataclass(frozen=True)
 class Flags:
-    save_dir: str = ""
-    """folder of this run's checkpoints (default: <runs_dir>/<run_name>/checkpoints)"""
+    save_dir: Annotated[
+        str, tyro.conf.arg(help_behavior_hint="(default: <runs_dir>/<run_name>/checkpoints)")
+    ] = ""
+    """folder of this run's checkpoints"""
     save_every: Annotated[int, *flag("[0, inf)")] = 100
     """generations between checkpoints (0: only at the end and when stopped by a signal)"""
     keep_checkpoints: Annotated[int, *flag("[1, inf)")] = 3

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import jax
 import numpy as np
+import tyro
 
 from egg import UserError
 from egg.flags import check_range, flag
@@ -24,8 +25,11 @@ from egg.flags import check_range, flag
 
 @dataclass(frozen=True)
 class Flags:
-    platform: Literal["", "cpu", "cuda", "rocm", "tpu"] = ""
-    """JAX platform to run on (default: JAX's choice: its accelerator, else the CPU)"""
+    platform: Annotated[
+        Literal["", "cpu", "cuda", "rocm", "tpu"],
+        tyro.conf.arg(help_behavior_hint="(default: JAX's choice: its accelerator, else the CPU)"),
+    ] = ""
+    """JAX platform to run on"""
     coord_addr: str = ""
     """address:port of process 0's coordinator, for a multi-host run started by hand"""
     num_procs: Annotated[int, *flag("[1, inf)")] = 1
@@ -107,17 +111,17 @@ def several_processes(hosts: Flags) -> bool:
     return bool(hosts.coord_addr) or hosts.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
-def init_distributed(coord_addr: str, num_procs: int, proc_id: int, heartbeat_timeout: int) -> None:
+def init_distributed(hosts: Flags) -> None:
     """Join a multi-process run: given by --coord_addr / --num_procs / --proc_id, or detected by
     jax.distributed itself (SLURM with several tasks, and the other clusters it knows). A process
-    silent for heartbeat_timeout seconds counts as lost, and JAX terminates every other one (the
+    silent for --heartbeat_timeout seconds counts as lost, and JAX terminates every other one (the
     supervisor turns that into one line)."""
-    if not several_processes(Flags(coord_addr=coord_addr, num_procs=num_procs)):
+    if not several_processes(hosts):
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # for CPU devices; else unused
-    timeout = dict(heartbeat_timeout_seconds=heartbeat_timeout)
-    if coord_addr or num_procs > 1:
-        jax.distributed.initialize(coord_addr, num_procs, proc_id, **timeout)
+    timeout = dict(heartbeat_timeout_seconds=hosts.heartbeat_timeout)
+    if hosts.coord_addr or hosts.num_procs > 1:
+        jax.distributed.initialize(hosts.coord_addr, hosts.num_procs, hosts.proc_id, **timeout)
     else:
         jax.distributed.initialize(**timeout)
 

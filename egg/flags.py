@@ -63,6 +63,12 @@ def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
     return known, tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}{hint})")
 
 
+def section(title: str = "") -> tuple:
+    """A group field's Annotated metadata: its flags keep their names (--NAME, no prefix) and show
+    in --help under TITLE options."""
+    return (tyro.conf.OmitArgPrefixes, *([tyro.conf.arg(name=title)] if title else []))
+
+
 def unwrapped(hint):
     """A type hint without its Annotated metadata."""
     return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint

@@ -36,8 +36,8 @@ class Flags:
     """a tag for the W&B run, also appended to the run name"""
     runs_dir: str = "runs"
     """folder holding one output folder per run (metrics.jsonl, config.json)"""
-    run_name: str = ""
-    """name of the run and of its output folder (default: built from the configuration)"""
+    run_name: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: built from the configuration)")] = ""
+    """name of the run and of its output folder"""
 
 
 def default_run_name(args) -> str:
@@ -45,7 +45,7 @@ def default_run_name(args) -> str:
     x noise reuse, seed, and upstream's algorithm and the tag where given."""
     data = Path(args.corpus.data).name or "data"
     name = (
-        f"{data}-{args.n_embd}D{args.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
+        f"{data}-{args.architecture.n_embd}D{args.architecture.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
         f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
     )
     name += "-upstream" * (args.algorithm == "upstream")

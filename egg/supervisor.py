@@ -18,6 +18,7 @@ from pathlib import Path
 
 from egg.checkpoints import checkpoints_in
 from egg.files import write_atomic
+from egg.record import run_folder, save_dir_of
 
 EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
 SUPERVISED = "EGG_JAX_SUPERVISED"  # the supervisor's PID, in the environment of the process it runs
@@ -101,11 +102,11 @@ def report_lost_process(
     )
 
 
-def supervise(script: Path, argv: list[str], run_folder: Path, save_dir: Path, proc: int) -> int:
-    """Run `script` with argv as a child and stand by; return the exit code. The child's output, exit
-    code and the stop signals this process is sent pass through, and the child dies with it;
-    JAX's account of a lost process is kept in <run_folder>/process-N-lost.log and said in one line
-    (EXIT_PROCESS_LOST)."""
+def supervise(script: Path, argv: list[str], args) -> int:
+    """Run `script` with argv (parsed: run.Args `args`) as a child and stand by; return the exit
+    code. The child's output, exit code and the stop signals this process is sent pass through, and
+    the child dies with it; JAX's account of a lost process is kept in <run folder>/process-N-lost.log
+    and said in one line (EXIT_PROCESS_LOST)."""
     env, command = {**os.environ, SUPERVISED: str(os.getpid())}, [sys.executable, str(script), *argv]
     child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)  # it binds itself: supervised()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
@@ -115,5 +116,5 @@ def supervise(script: Path, argv: list[str], run_folder: Path, save_dir: Path, p
     if JAX_TERMINATES not in log:
         sys.stderr.write(log + ("\n" if log else ""))
         return 128 - code if code < 0 else code
-    report_lost_process(script, argv, log, run_folder, save_dir, proc)
+    report_lost_process(script, argv, log, run_folder(args), save_dir_of(args), args.hosts.proc_id)
     return EXIT_PROCESS_LOST

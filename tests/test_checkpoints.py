@@ -25,7 +25,7 @@ from helpers import (
 )
 
 import run
-from egg import checkpoints, cluster, files, resume
+from egg import checkpoints, cluster, files, flags, resume
 
 
 def start(*flags, runs):
@@ -157,7 +157,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     base = [*TINY, "--runs_dir", str(tmp_path), "--run_name", "r", "--num_epochs", "6", "--resume", "auto"]
     other = tmp_path.with_name(f"{tmp_path.name}-other.txt")  # beside the runs folder
     other.write_bytes(b"other training bytes, not the standard library " * 2000)
-    for flags, listed in (
+    for given, listed in (
         (["--alpha", "0.3", "--sigma_shift", "2"], "--alpha 0.2 -> 0.3, --sigma_shift 3 -> 2"),
         (["--seed", "1", "--no-use_clt"], "--seed 0 -> 1, --use_clt True -> False"),
         (
@@ -181,9 +181,9 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         # --null_from_scores acts under ztest only, not the checkpoint's rule: the rule's change says it
         (["--optimizer", "ztest", "--null_from_scores"], "--optimizer momentum -> ztest"),
     ):
-        result = in_process(capsys, *base, *flags)
+        result = in_process(capsys, *base, *given)
         one_line_error(result, f"gen-00000004 was trained with other settings: {listed}")
-        assert "-> 93,060 bytes #" in result.stderr if "--data" in flags else f"{listed}; " in result.stderr
+        assert "-> 93,060 bytes #" in result.stderr if "--data" in given else f"{listed}; " in result.stderr
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
     # a checkpoint of an older format, or that records no setting this run depends on, is refused
@@ -208,7 +208,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
     result = in_process(capsys, *base, "--alpha", "0.3", "--allow_changes", "--num_epochs", "7")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "continuing with changed settings (--allow_changes): --alpha 0.2 -> 0.3" in result.stdout
+    assert "at generation 6; changed: --alpha 0.2 -> 0.3" in result.stdout
     lines = [json.loads(x) for x in next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()]
     assert {"generation": 6, "resume/changed": "--alpha 0.2 -> 0.3"} in lines
     meta = json.loads((checkpoint_dir(tmp_path) / "gen-00000007" / "meta.json").read_text())
@@ -299,7 +299,7 @@ def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code)
 
 def tiny_model():
     """(cfg, params, opt, states) of one fresh tiny model, momentum's sums moved off zero."""
-    cfg = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
+    cfg = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
     params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
     opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_optimizer(cfg))
     return cfg, params, opt, np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
@@ -328,11 +328,15 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     for got, want in ((loaded, params), (loaded_opt, opt), ({"s": loaded_states}, {"s": states})):
         for key, value in want.items():
             np.testing.assert_array_equal(got[key], value[None], err_msg=key)
-    ztest = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest"))
+    ztest = run.make_config(
+        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest")
+    )
     assert load(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
-    adam = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam"))
+    adam = run.make_config(
+        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam")
+    )
     assert load(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
-    other = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
+    other = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
     assert load(tmp_path / "c", other)[1] is None  # other population: fresh states
 
 

@@ -174,9 +174,9 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
 
 SHARDED = """
 import jax, numpy as np, run
-from egg import cluster, hlo
-args = run.Args(n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4, tokens_per_update=8,
-                fast_fitness={fast})
+from egg import cluster, flags, hlo
+args = flags.replace(run.Args(), n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4,
+                     tokens_per_update=8, fast_fitness={fast})
 mesh = cluster.population_mesh(run.POP)
 cfg = run.make_config(args, mesh.size)
 params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, run.replicas_of(args)))

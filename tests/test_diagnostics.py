@@ -9,6 +9,7 @@ import pytest
 from helpers import es_update, fitness_of_one_model, thresholds
 
 import run
+from egg import flags
 from egg.diagnostics import diagnostics, diagnostics_table, moved_shares, tensor_stats
 
 
@@ -26,7 +27,7 @@ def test_tensor_stats_match_numpy():
 
 
 def setup():
-    cfg = run.make_config(run.Args(n_embd=8, n_layer=2, parallel_generations_per_gpu=4))
+    cfg = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=4))
     params = jax.tree.map(np.array, run.init_params(cfg, 0))  # writable copies
     rows = np.random.default_rng(0).integers(1, 256, (3, 12)).astype(np.uint8)
     return cfg, params, rows
@@ -45,8 +46,14 @@ def test_probe_sees_the_real_activations():
 def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     """From the update's counts (a tensor's, a block parameter's layer by layer) against the
     parameters themselves before and after."""
-    args = run.Args(
-        n_embd=8, n_layer=2, parallel_generations_per_gpu=8, alpha=0.5, optimizer="ztest", segments=1
+    args = flags.replace(
+        run.Args(),
+        n_embd=8,
+        n_layer=2,
+        parallel_generations_per_gpu=8,
+        alpha=0.5,
+        optimizer="ztest",
+        segments=1,
     )
     cfg = run.make_config(args)
     params = jax.tree.map(np.asarray, run.init_params(cfg, 0))

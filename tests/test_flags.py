@@ -67,20 +67,20 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
         "init_std",
         "max_step",
     }
-    changed = {k for k, v in preset.items() if getattr(ours, k) != v}
+    changed = {k for k, v in preset.items() if flags.value(ours, k) != v}
     assert changed == set(preset)  # each entry is a default that differs
     upstream = run.parse_args(["--algorithm", "upstream"])
-    assert {k: getattr(upstream, k) for k in preset} == preset
-    assert dataclasses.replace(upstream, algorithm="egg", **{k: getattr(ours, k) for k in changed}) == ours
+    assert {k: flags.value(upstream, k) for k in preset} == preset
+    assert flags.replace(upstream, algorithm="egg", **{k: flags.value(ours, k) for k in changed}) == ours
     for given in (["--mlp_relu"], ["--mlp-relu=True"], ["--mlp_relu", "true"]):
-        assert run.parse_args(["--algorithm", "upstream", *given]).mlp_relu is True, given
+        assert run.parse_args(["--algorithm", "upstream", *given]).architecture.mlp_relu is True, given
     # runs apart: the name records upstream's sigma_shift and the preset
     assert (
         record.default_run_name(upstream)
         == record.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
     )
     both = run.parse_args(["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"])
-    assert (both.fast_fitness, both.optimizer, both.mlp_relu) == (False, "momentum", False)
+    assert (both.fast_fitness, both.optimizer, both.architecture.mlp_relu) == (False, "momentum", False)
 
 
 def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, monkeypatch):

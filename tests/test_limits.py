@@ -8,7 +8,7 @@ import pytest
 from helpers import CACHE, in_process, member_matmul, one_line_error
 
 import run
-from egg import cluster
+from egg import cluster, flags
 
 WORST_NOISE = int(np.abs(run.make_tables(1).gauss).max())  # 46: the largest |noise entry|
 
@@ -19,7 +19,7 @@ def largest(key, step, **base):
 
     def refused(value):
         try:
-            run.check_bounds(run.make_config(run.Args(**{**base, key: value})))
+            run.check_bounds(run.make_config(flags.replace(run.Args(), **{**base, key: value})))
         except run.UserError as error:
             return str(error)
         return None
@@ -44,7 +44,7 @@ def exact_shaped_scores(fitness) -> list[int]:
 def test_matmul_at_the_largest_width_reaches_its_bound_exactly(monkeypatch, capsys):
     n_embd, error = largest("n_embd", 4)
     assert "matmul accumulator" in error and "--n_embd" in error
-    bound = run.accumulator_bounds(run.make_config(run.Args(n_embd=n_embd)))
+    bound = run.accumulator_bounds(run.make_config(flags.replace(run.Args(), n_embd=n_embd)))
     n_in = 4 * n_embd  # the MLP's down projection, the widest product
     rank = run.make_tables(1).gauss_rank
     # the int32 accumulator itself, before its division to int8
@@ -78,9 +78,11 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     tokens = run.INT32_MAX // run.LL_BOUND  # the longest validation row and --tokens_per_update
     base = {"n_embd": 4, "n_layer": 1, "parallel_generations_per_gpu": 2, "group_size": 2}
     assert largest("tokens_per_update", 1, **base)[0] == tokens
-    cfg = run.make_config(run.Args(**base, tokens_per_update=tokens))
+    cfg = run.make_config(flags.replace(run.Args(), **base, tokens_per_update=tokens))
     params = worst_case_params(cfg, target=65)
-    rows = run.validation_rows(np.full(2 * (tokens + 1), 65, np.uint8), run.Args(validation_batch_size=2))
+    rows = run.validation_rows(
+        np.full(2 * (tokens + 1), 65, np.uint8), flags.replace(run.Args(), validation_batch_size=2)
+    )
     assert rows.shape == (2, tokens + 1)
     logits = np.full(256, 127, np.int8)
     logits[65] = -127
@@ -101,7 +103,7 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     )
     longer = np.full(2 * (tokens + 2), 65, np.uint8)
     with pytest.raises(run.UserError, match=f"use --validation_tokens {tokens} or less"):
-        run.validation_rows(longer, run.Args(validation_batch_size=2))
+        run.validation_rows(longer, flags.replace(run.Args(), validation_batch_size=2))
     one_line_error(
         in_process(
             capsys,
@@ -125,7 +127,7 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
     base = dict(fast_fitness=False, use_clt=use_clt, segments=1)  # every pair's score at once
     population, error = largest("parallel_generations_per_gpu", 2, **base)
     assert "--fast_fitness" in error
-    cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, **base))
+    cfg = run.make_config(flags.replace(run.Args(), parallel_generations_per_gpu=population, **base))
     pairs = population // 2
     bounds = run.accumulator_bounds(cfg)
     biggest = run.LL_BOUND * (run.INT32_MAX // run.LL_BOUND)  # the largest pair difference allowed
@@ -162,7 +164,9 @@ def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
     assert ("Z of" if fast else "squared pair weights") in error
     # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
     # weights, so Z reaches the same worst case as population / 2 distinct pairs would
-    cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, num_perturbations=2048, **base))
+    cfg = run.make_config(
+        flags.replace(run.Args(), parallel_generations_per_gpu=population, num_perturbations=2048, **base)
+    )
     tables = run.make_tables(1)
     a = jnp.full((1024, 1, 1), WORST_NOISE, jnp.int8)
     b = jnp.full((1024, 1, 1), int(np.abs(tables.gauss_rank).max()), jnp.int8)
@@ -187,7 +191,7 @@ def test_bounds_count_every_segments_pairs(fast):
     assert segmented == alone // 4 // 64 * 64
     # the default (--segments 0) takes 10, or as many as the bound allows: every population runs
     for population in (2 * alone // 10, alone // 2, alone):
-        cfg = run.make_config(run.Args(parallel_generations_per_gpu=population, **base))
+        cfg = run.make_config(flags.replace(run.Args(), parallel_generations_per_gpu=population, **base))
         run.check_bounds(cfg)
         assert cfg.segments == min(10, alone // population)
         refused = cfg._replace(segments=cfg.segments + 1)

@@ -10,7 +10,7 @@ import reference
 from helpers import fitness_of_one_model, one_model_step, z_thresholds
 
 import run
-from egg import cluster
+from egg import cluster, flags
 
 
 def random_params(cfg, rng):
@@ -50,7 +50,8 @@ def window(cfg, rng, members):
     [(16, 1, 4, True), (16, 3, 2, True), (12, 2, 0, True), (16, 0, 3, True), (16, 1, 4, False)],
 )  # 12: rescales by a multiply, not a shift; relu False: upstream's MLP without a nonlinearity
 def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift, relu):
-    args = run.Args(
+    args = flags.replace(
+        run.Args(),
         n_embd=n_embd,
         n_layer=2,
         parallel_generations_per_gpu=8,
@@ -88,7 +89,7 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
 
 def test_noise_free_logits_equal_the_reference_byte_by_byte():
     cfg = run.make_config(
-        run.Args(n_embd=16, n_layer=3, parallel_generations_per_gpu=4, tokens_per_update=12)
+        flags.replace(run.Args(), n_embd=16, n_layer=3, parallel_generations_per_gpu=4, tokens_per_update=12)
     )
     rng = np.random.default_rng(3)
     params = random_params(cfg, rng)
@@ -120,7 +121,8 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     s D + p // 2's noise (D pairs a segment), from its pair's mean state (--shared_pair_state) or its
     own; one Z-test update weighs every segment's pair. Reference: reference.member_fitness segment
     by segment, the scores and Z (its int8 operand rounded as docs/design.org states) in numpy int64."""
-    args = run.Args(
+    args = flags.replace(
+        run.Args(),
         n_embd=8,
         n_layer=2,
         parallel_generations_per_gpu=8,

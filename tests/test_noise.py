@@ -15,7 +15,7 @@ from egg import flags
 def cfg(**overrides):
     args = dict(n_embd=16, n_layer=2, parallel_generations_per_gpu=8, num_epochs=4)
     args.update(overrides)
-    return run.make_config(run.Args(**args))
+    return run.make_config(flags.replace(run.Args(), **args))
 
 
 def pair_noise(c, bucket, pair, segment=0, seed=0):
@@ -276,6 +276,6 @@ def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
     for shift, perturbed in ((largest, True), (largest + 1, False)):
         moved = member_vector(zero, table, 1, shift)
         assert bool(np.any(moved != 0)) is perturbed, shift
-    run.check_args(run.Args(sigma_shift=largest))
+    run.check_args(flags.replace(run.Args(), sigma_shift=largest))
     with pytest.raises(run.UserError, match="rounds to 0"):
-        run.check_args(run.Args(sigma_shift=largest + 1))
+        run.check_args(flags.replace(run.Args(), sigma_shift=largest + 1))

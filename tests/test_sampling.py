@@ -9,7 +9,7 @@ import pytest
 from helpers import in_process, one_line_error
 
 import run
-from egg import checkpoints, sampling
+from egg import checkpoints, flags, sampling
 
 
 def logits_with(**bits):
@@ -48,7 +48,7 @@ def test_temperature_sharpens_and_zero_is_greedy():
 
 
 def model():
-    args = run.Args(n_embd=16, n_layer=1, seed=3)
+    args = flags.replace(run.Args(), n_embd=16, n_layer=1, seed=3)
     cfg = run.make_config(args)
     return sampling.Flags(max_new_bytes=40, prompt="def "), cfg, run.init_params(cfg, args.seed)
 

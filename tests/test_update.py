@@ -146,25 +146,28 @@ def test_normalised_fitness_builds_nothing_larger_than_its_scores():
 
 
 def test_alpha_schedule_is_upstreams():
-    fixed = alpha_schedule(run.Args(alpha=0.25, num_epochs=5))
+    fixed = alpha_schedule(flags.replace(run.Args(), alpha=0.25, num_epochs=5))
     np.testing.assert_allclose(fixed, 0.25)
     assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
     assert flags.upstream_preset(run.Args)["alpha_floor"] == 0
-    decay = alpha_schedule(run.Args(alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0))
+    decay = alpha_schedule(
+        flags.replace(run.Args(), alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0)
+    )
     want = [1 / (15 * t / 1000 + 1) for t in range(4001)]  # 1 / ((2**alpha - 1) t / T + 1)
     np.testing.assert_allclose(decay, want, rtol=1e-15)
     assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[4000] == 1 / 61  # no floor after T
     # the schedule depends on the generation only: extending --num_epochs continues it exactly
-    longer = alpha_schedule(run.Args(alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
+    longer = alpha_schedule(flags.replace(run.Args(), alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
     np.testing.assert_array_equal(
-        alpha_schedule(run.Args(alpha=3.0, num_epochs=20, alpha_decay_timestep=7)), longer[:20]
+        alpha_schedule(flags.replace(run.Args(), alpha=3.0, num_epochs=20, alpha_decay_timestep=7)),
+        longer[:20],
     )
 
 
 def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
     floor = run.Args().alpha_floor
     assert floor == 1 / 64  # the default, chosen in docs/results.org
-    args = run.Args(alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
+    args = flags.replace(run.Args(), alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
     bare = alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
     floored = alpha_schedule(args)
     crossing = 4201  # 1 / (15 t / 1000 + 1) < 1/64 from t > 63000 / 15 = 4200 on
@@ -372,7 +375,8 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
     and vectors apart. The rule itself restarts m at each move, so fewer pass: between alpha / 8
     and alpha (0.10 at alpha 0.2 with shift 2)."""
     alpha, pairs = 0.2, 512
-    args = run.Args(
+    args = flags.replace(
+        run.Args(),
         n_embd=4,
         n_layer=1,
         parallel_generations_per_gpu=2 * pairs,
