@@ -40,7 +40,7 @@ from egg import diagnostics as diagnosis
 from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_copy, local_copy, stop_requested
 from egg.files import own
 from egg.flags import check_range, check_ranges, flag, flat, parse, replace, section
-from egg.hlo import Compiled, compile_now
+from egg.hlo import Compiled, compile_fault, compile_now
 from egg.record import describe_spread, replica_metrics, run_folder, save_dir_of, tolerated
 
 # ------------------------------------------------------------------------------------------------
@@ -647,6 +647,17 @@ def product_kernel(x, w, a, b, shifts, layer, gain, residual, x_layered: bool, i
     )(*operands)
 
 
+def kernel_fault(device) -> str:
+    """Why the product kernel cannot run on this GPU under this JAX ("" where it can), from one tile's
+    program compiled (Pallas's Triton backend, which it uses, is deprecated since JAX 0.11)."""
+
+    def kernel(x, w):
+        return product_kernel(x, w, None, None, None, 0, None, None, x_layered=False, interpret=False)
+
+    fault = compile_fault(kernel, device, ((1, 1, 16, 16), jnp.int8), ((1, 1, 1, 16, 16), jnp.int8))
+    return fault and f"the GPU product kernel cannot run under JAX {jax.__version__} ({fault})"
+
+
 # ------------------------------------------------------------------------------------------------
 # Forward: one byte through every member, each product by XLA or by the GPU kernel.
 
@@ -665,10 +676,6 @@ class Model(NamedTuple):
     interpret: bool
 
 
-def layered(name: str) -> bool:
-    return name in BLOCK_NAMES
-
-
 KERNEL_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # products, by input
 
 
@@ -682,14 +689,14 @@ def kernel_operands(params: dict, noise: dict | None, cfg: Config) -> dict:
         return {}
     operands = {}
     for group in KERNEL_GROUPS:
-        lift = (lambda x: x) if layered(group[0]) else (lambda x: x[None])
+        lift = (lambda x: x) if group[0] in BLOCK_NAMES else (lambda x: x[None])
         w = jnp.stack([lift(params[name]) for name in group])
         a = b = None
         if noise is not None:  # rank 1: (L, K, D, m, 1) -> (L, K, D, m)
             a, b = (jnp.stack([lift(noise[name][f])[..., 0] for name in group]) for f in (0, 1))
         operands[group] = (w, a, b)
     for name in ("ln1", "ln2", "ln_out"):
-        gain = params[name] if layered(name) else params[name][None]  # (L, K, 1, D, S, n)
+        gain = params[name] if name in BLOCK_NAMES else params[name][None]  # (L, K, 1, D, S, n)
         operands[name] = gain.reshape(gain.shape[:2] + (gain.shape[3], -1))
     return operands
 
@@ -698,14 +705,14 @@ def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
     """The Model of these parameters (each (K, ...)) and noise (each (K, D, ...), or None)."""
     model, model_noise = {}, {}
     for name in PARAM_NAMES:
-        nz = None if noise is None else noise[name]
+        nz, block = None if noise is None else noise[name], name in BLOCK_NAMES
         if name in MATRICES:  # shared by every member of a replica
-            model[name] = jnp.moveaxis(params[name], 1, 0) if layered(name) else params[name]
+            model[name] = jnp.moveaxis(params[name], 1, 0) if block else params[name]
             if nz is not None:
-                model_noise[name] = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if layered(name) else nz
+                model_noise[name] = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if block else nz
         else:  # each member's own: ([L,] K, 1, D, S, n)
             vector = perturbed_vector(params[name], nz, sides)
-            model[name] = jnp.moveaxis(vector, 4, 0) if layered(name) else vector
+            model[name] = jnp.moveaxis(vector, 4, 0) if block else vector
     model_noise = None if noise is None else model_noise
     kernel = kernel_operands(model, model_noise, cfg) if cfg.kernels != "xla" else None
     return Model(model, model_noise, sides, make_tables(cfg.rank), kernel, cfg.kernels == "interpret")
@@ -1551,14 +1558,6 @@ def validation_rows(valid: np.ndarray, args: Args) -> np.ndarray:
     return np.asarray(valid[starts[:, None] + np.arange(length)])
 
 
-def open_data(args: Args) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) bytes of --data (egg/corpora.py), at least two validation rows' worth held
-    out when --data itself is cut."""
-    held_out = 2 * args.validation_batch_size
-    corpus = args.corpus
-    return corpora.open_data(corpus.data, corpus.valid_data, corpus.dir_path, corpus.valid_fraction, held_out)
-
-
 class Data(NamedTuple):
     """A run's bytes: for training, and the validation rows with what the baselines reach on them."""
 
@@ -1570,7 +1569,9 @@ class Data(NamedTuple):
 
 
 def read_data(args: Args, cfg: Config, mesh) -> Data:
-    train, valid = open_data(args)
+    """The run's bytes: --data's (egg/corpora.py), at least two validation rows' worth held out when
+    --data itself is cut."""
+    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     stream, valid_rows = make_stream(len(train), cfg), validation_rows(valid, args)
     padding = -len(valid_rows) % (2 * mesh.size)  # rows spread evenly over the devices, in pairs
     rows = global_array(np.pad(valid_rows, ((0, padding), (0, 0))), mesh, jax.sharding.PartitionSpec(POP))
@@ -1658,11 +1659,19 @@ def starting_point(args: Args, save_dir: Path, cfg: Config, identity: dict, writ
 
 
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh]:
-    """Join the other processes and start the mesh: (the flags as used, the mesh). On an accelerator
-    JAX chose, the CPU split does not apply."""
+    """Join the other processes and start the mesh: (the flags as used, the mesh). On a GPU: no CPU
+    split, and XLA's products where the kernel cannot run (kernel_fault), said in one line."""
     cluster.init_distributed(args.hosts)
     mesh = cluster.population_mesh(POP)
-    return (args if mesh.devices.flat[0].platform == "cpu" else replace(args, cpu_devices=1)), mesh
+    if mesh.devices.flat[0].platform == "cpu":
+        return args, mesh
+    args = replace(args, cpu_devices=1)
+    fault = kernel_fault(mesh.devices.flat[0]) if mesh_config(args, mesh).kernels == "pallas" else ""
+    if fault and args.architecture.kernels == "pallas":
+        raise UserError(f"--kernels pallas: {fault}; use --kernels xla or auto")
+    if fault and jax.process_index() == 0:
+        print(f"products by XLA, the same bits: {fault}")
+    return (replace(args, kernels="xla") if fault else args), mesh
 
 
 def on_mesh(carry: tuple, mesh) -> tuple:
@@ -1881,16 +1890,12 @@ def first_generation(run: Run, console: record.Console, stop: StopSignal) -> tup
     cfg, start, args, resumed = run.cfg, run.start, run.args, run.resumed
     changes = resume.describe_changes(resumed.changes) if resumed else ""  # what --allow_changes let by
     if resumed is not None:
-        said = f"resuming from {resumed.folder} at generation {start}"
-        console.log(said + (f"; changed: {changes}" if changes else ""))
+        console.log(f"resuming from {resumed.folder} at generation {start}; changed: {changes or 'nothing'}")
     sizes = (num_parameters(cfg), scored_pairs(cfg), len(run.data.train), run.data.valid_rows.size)
     console.log(record.describe_run(run_folder(args).name, cfg, run.mesh, args.hosts.cpu_devices, *sizes))
     batch, inputs = batch_on_mesh(run, start), replica_inputs(cfg, run.progress.replicas, start)
     compiled = compile_generation(cfg, run.mesh, "train", run.progress.carry, batch, inputs)
-    console.log(
-        f"generation step compiled in {compiled.seconds:.1f} s: {compiled.traffic:,} bytes of cross-device "
-        f"traffic per generation and device, {compiled.temporaries:,.1f} MiB of temporaries"
-    )
+    console.log(compiled.describe("generation step", "generation"))
     p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
     cluster.check_memory(run.mesh, compiled.temporaries, p, math.lcm(2, g, n or 2))  # as check_args asks
     kept = f"{resumed.folder} stays the newest checkpoint" if resumed else "nothing saved"

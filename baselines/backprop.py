@@ -204,7 +204,7 @@ def validation_bits(forward, params, rows: np.ndarray, args: Args) -> float:
 def train(args: Args) -> dict:
     """Train --num_epochs steps, validating every --validate_every and at the end; write the run's
     metrics.jsonl; return the last metrics."""
-    train_bytes, valid_bytes = run.open_data(args)
+    train_bytes, valid_bytes = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     rows = run.validation_rows(valid_bytes, args)
     baselines = corpora.cached_baselines(train_bytes, rows, args.corpus.dir_path)
     stride = len(train_bytes) // args.batch_size

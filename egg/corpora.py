@@ -165,12 +165,10 @@ def load_corpus(spec: str, cache_dir: str, flag: str = "--data") -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def open_data(
-    data: str, valid_data: str | None, cache_dir: str, valid_fraction: float, least_held_out: int
-) -> tuple[np.ndarray, np.ndarray]:
+def open_data(flags: Flags, least_held_out: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) bytes of --data: validation is --valid_data if given, else minipile's
-    validation split, else the last valid_fraction of the data (at least least_held_out bytes)."""
-    valid = None
+    validation split, else the last --valid_fraction of the data (at least least_held_out bytes)."""
+    data, valid_data, cache_dir, valid = flags.data, flags.valid_data, flags.dir_path, None
     if data == "minipile":
         splits = load_minipile(cache_dir)
         train, valid = splits["train"], splits["validation"]
@@ -180,7 +178,7 @@ def open_data(
         return train, load_corpus(valid_data, cache_dir, "--valid_data")
     if valid is not None:
         return train, valid
-    held_out = max(least_held_out, int(len(train) * valid_fraction))
+    held_out = max(least_held_out, int(len(train) * flags.valid_fraction))
     if held_out >= len(train) // 2:
         raise UserError(
             f"--data has {len(train)} bytes: too few to hold out {held_out} for validation; "

@@ -92,6 +92,25 @@ class Compiled(NamedTuple):
     temporaries: float  # MiB of the program's own temporaries on a device
     traffic: int  # bytes each device receives through collectives per call
 
+    def describe(self, what: str, call: str) -> str:
+        return (
+            f"{what} compiled in {self.seconds:.1f} s: {self.traffic:,} bytes of cross-device traffic "
+            f"per {call} and device, {self.temporaries:,.1f} MiB of temporaries"
+        )
+
+
+def compile_fault(fn, device, *shapes) -> str:
+    """Why fn cannot be compiled for this device with arguments of these shapes and dtypes, in one
+    line; "" where it can."""
+    import jax
+
+    placed = [jax.ShapeDtypeStruct(*s, sharding=jax.sharding.SingleDeviceSharding(device)) for s in shapes]
+    try:
+        jax.jit(fn).lower(*placed).compile()
+    except Exception as error:  # whatever a missing backend or a failing compiler raises
+        return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"
+    return ""
+
 
 def compile_now(lowered) -> Compiled:
     """A lowered program compiled now, with its compile time, temporaries and collectives."""

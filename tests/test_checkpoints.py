@@ -25,7 +25,7 @@ from helpers import (
 )
 
 import run
-from egg import checkpoints, cluster, files, flags, resume
+from egg import checkpoints, cluster, corpora, files, flags, resume
 
 
 def start(*flags, runs):
@@ -253,7 +253,7 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     assert f"resuming from {folder / 'gen-00000004'} at generation 4" in result.stdout
     args = run.parse_args([*TINY, *wider])
     cfg = run.make_config(args)
-    train_bytes, _ = run.open_data(args)
+    train_bytes, _ = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
     expected = run.expected_arrays(run.make_config(run.parse_args(TINY)))
     params = checkpoints.load_checkpoint(folder / "gen-00000004", expected)[0]

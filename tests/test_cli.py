@@ -12,6 +12,7 @@ from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 from test_flags import range_cases
 
 import run
+from egg import corpora
 
 BAD_INPUT = [
     *range_cases(),
@@ -118,7 +119,7 @@ def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, 
     assert result.returncode == 0, result.stderr[-2000:]
     score = float(re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)[-1])
     args = run.parse_args([*flags, *rule])
-    train, valid = run.open_data(args)
+    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     baseline = unigram_cross_entropy(train, run.validation_rows(valid, args))
     print(f"{' '.join(rule)}: {score:.4f} bits/byte, unigram {baseline:.4f}")
     assert score < baseline - 0.2
@@ -140,7 +141,7 @@ def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     scores = [float(x) for x in re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)]
     args = tyro.cli(run.Args, args=flags)
-    train, valid = run.open_data(args)
+    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     rows = run.validation_rows(valid, args)
     corpus_entropy = unigram_cross_entropy(train, np.asarray(train[None, :]))
     baseline = unigram_cross_entropy(train, rows)

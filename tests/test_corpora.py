@@ -43,7 +43,7 @@ def test_minipile_is_converted_once_then_read_from_the_cache(tmp_path, monkeypat
     corpora.load_minipile(str(tmp_path))
     assert calls == [corpora.MINIPILE]  # second time: the cache, no hub
     monkeypatch.setattr(corpora, "hub_reachable", lambda: pytest.fail("touched the network"))
-    train, valid = run.open_data(flags.replace(run.Args(), data="minipile", dir_path=str(tmp_path)))
+    train, valid = corpora.open_data(corpora.Flags(data="minipile", dir_path=str(tmp_path)), 2048)
     assert bytes(train) == want and bytes(valid) == b"\0held out text" * 40
     assert not list(tmp_path.glob("*.tmp*"))
 
@@ -153,7 +153,7 @@ def test_split_batches_and_validation_rows(tmp_path):
         tokens_per_update=10,
         dir_path=str(tmp_path),
     )
-    train, valid = run.open_data(args)
+    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
     assert len(valid) == int(10240 * 0.01) and len(train) + len(valid) == 10240
     c = run.make_config(args)
     stream = run.make_stream(len(train), c)
@@ -168,5 +168,5 @@ def test_split_batches_and_validation_rows(tmp_path):
     assert rows.shape == (8, len(valid) // 8)
     other = tmp_path / "valid.bin"
     other.write_bytes(b"xy" * 100)
-    train2, valid2 = run.open_data(flags.replace(run.Args(), data=str(data), valid_data=str(other)))
+    train2, valid2 = corpora.open_data(corpora.Flags(data=str(data), valid_data=str(other)), 2048)
     assert len(train2) == 10240 and bytes(valid2) == b"xy" * 100

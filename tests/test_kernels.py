@@ -172,3 +172,34 @@ def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
     assert not run.product_kernel_takes(pairs=64, distinct=32, m=8, n=64)  # Triton's dots: 16 at least
     assert run.product_kernel_takes(pairs=64, distinct=32, m=16, n=32)
     assert not run.product_kernel_takes(pairs=64, distinct=32, m=64, n=16)  # 16 deep: wrong on an H200
+
+
+def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch, capsys):
+    """The product kernel compiles for an H100 here (deviceless); with Pallas's Triton backend gone,
+    as a later JAX may have it, a GPU run says so in one line and uses XLA's products (the same
+    bits, tested above), and --kernels pallas is refused."""
+    import sys
+
+    import jax.experimental.pallas as pallas
+
+    import bench
+    from egg import UserError
+
+    mesh = bench.target_mesh("h100", 1)
+    assert run.kernel_fault(mesh.devices.flat[0]) == ""
+    monkeypatch.delattr(pallas, "triton", raising=False)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # import fails
+    fault = run.kernel_fault(mesh.devices.flat[0])
+    assert fault.startswith(
+        f"the GPU product kernel cannot run under JAX {jax.__version__} (ModuleNotFoundError"
+    )
+    monkeypatch.setattr(cluster, "population_mesh", lambda axis, devices=None: mesh)  # a GPU's mesh
+    small = ["--n_embd", "8", "--n_layer", "1", "--parallel_generations_per_gpu", "16"]
+    args, _ = run.start_devices(run.parse_args(small))
+    assert args.architecture.kernels == "xla" and args.hosts.cpu_devices == 1
+    assert run.mesh_config(args, mesh).kernels == "xla"
+    assert capsys.readouterr().out == f"products by XLA, the same bits: {fault}\n"
+    with pytest.raises(
+        UserError, match=r"^--kernels pallas: the GPU product kernel cannot run .*; use --kernels xla"
+    ):
+        run.start_devices(run.parse_args([*small, "--kernels", "pallas"]))
