@@ -175,6 +175,17 @@ def recorded_flags(command: list[str]) -> list[str]:
     return [Path(command[1]).name, *command[2:at], *command[at + 2 :]]
 
 
+def flag_items(words: list[str]) -> list[str]:
+    """A command's words as its items: each flag with its values ("--seeds 0 1"), the script alone."""
+    items = []
+    for word in words:
+        if word.startswith("--") or not items:
+            items.append(word)
+        else:
+            items[-1] += f" {word}"
+    return items
+
+
 def reused(earlier: Path, command: list[str]) -> dict:
     """An earlier run's results, once its recorded command is this comparison's for it (else one
     line and exit 2: a table must never join runs of different flags)."""
@@ -183,9 +194,11 @@ def reused(earlier: Path, command: list[str]) -> dict:
     except (OSError, ValueError, KeyError):
         sys.exit(f"error: --reuse {earlier}: it records no compare.json, so its flags cannot be checked")
     if before != recorded_flags(command):
-        there = " ".join(w for w in before if w not in recorded_flags(command)) or "(their order)"
-        here = " ".join(w for w in recorded_flags(command) if w not in before) or "(their order)"
-        sys.exit(f"error: --reuse {earlier}: trained with other flags ({there}; this comparison: {here})")
+        then, now = flag_items(before), flag_items(recorded_flags(command))
+        there = ", ".join(w for w in then if w not in now) or "none"
+        here = ", ".join(w for w in now if w not in then) or "none"
+        said = f"its own: {there}; this comparison's: {here}"
+        sys.exit(f"error: --reuse {earlier}: trained with other flags ({said})")
     print(f"reading {earlier}", flush=True)
     return read_run(earlier)
 

@@ -54,6 +54,12 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
         args, reuse=(str(tmp_path / "nowhere"), str(folder)), runs_dir=str(tmp_path / "new")
     )
     assert compare.compare(again) == text and not (tmp_path / "new").exists()
+    assert (folder / "table.txt").read_text() == text + "\n"  # kept in the comparison's folder
+    # runs trained with other flags are never joined into one table
+    other = dataclasses.replace(again, flags=f"{args.flags} --sigma_shift 2")
+    said = r"trained with other flags \(its own: none; this comparison's: --sigma_shift 2\)$"
+    with pytest.raises(SystemExit, match=said):
+        compare.compare(other)
 
 
 def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(tmp_path):
