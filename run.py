@@ -788,8 +788,8 @@ def token_logits(model: Model, states, tok, cfg: Config, collect: bool = False):
         return (x, states.at[at].set(h)), seen
 
     embedding = x
-    if cfg.kernels == "pallas":  # unrolled: a GPU would run three kernels a layer for the loop itself
-        carry, seen = (x, states), []
+    if cfg.kernels != "xla":  # unrolled (as on a GPU, interpreted too): a GPU would run three kernels
+        carry, seen = (x, states), []  # a layer for the loop itself
         for at in range(cfg.n_layer):
             carry, found = layer(carry, at)
             seen.append(found)
