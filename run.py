@@ -71,7 +71,8 @@ class ModelFlags:
 
 @dataclass(frozen=True)
 class Args:
-    # experiment
+    """egg-jax's flags. options: the run, the population, EGGROLL, validation; then the model and tools."""
+
     seed: Annotated[int, *flag("[0, inf)", training=True)] = 0
     """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
     num_epochs: Annotated[int, *flag("[1, inf)")] = 1000
