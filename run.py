@@ -1919,7 +1919,7 @@ def train(args: Args) -> dict:
         args, start, progress = run.args, run.start, run.progress
         console = record.Console(args.num_epochs, start, run.writer, started)
         if start >= args.num_epochs:
-            console.log(f"nothing to do: the checkpoint is at generation {start} of {args.num_epochs}")
+            console.log(f"nothing to do: the checkpoint is at generation {start}; give --num_epochs above it")
             return finish(run, progress, {}, True, console)
         compiled, batch = first_generation(run, console, stop)
         evaluate = make_evaluate(run.cfg, run.mesh)  # compiled on first use
@@ -1932,7 +1932,7 @@ def train(args: Args) -> dict:
                     batch = batch_on_mesh(run, done)
                 if flight is not None:  # the generation before: done, or about to be
                     console.show(generation_metrics(run, flight, console)[0], done - 1, *progress[2:])
-                flight, stopping = sent, stop_requested(stop)
+                flight, stopping = sent, stop_requested(stop) and done < args.num_epochs  # the last: finished
                 if any(todo := due_after(args, done, stopping)):  # this generation's values are needed now
                     metrics, moved = generation_metrics(run, flight, console)
                     work = (evaluate, progress, done, moved, todo, stopping, console.log)
@@ -1956,14 +1956,14 @@ def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by the model of --resume (a stop signal: Stopped)."""
     sampler, how = args.sampler, args.checkpointing.resume
     check_ranges(args)
-    found = resume.sampled(how, save_dir_of(args), sampler.sample_replica)
-    cfg = make_config(single_run(args, **found.shape))
-    expected = expected_arrays(cfg._replace(replicas=found.replicas))
-    params = checkpoints.load_checkpoint(found.folder, expected)[0]
-    if found.setting:
-        print(f"replica {found.chosen} of {found.replicas} ({pbt.settings_text(found.setting)})")
-    model = jax.tree.map(jnp.asarray, replica_of(params, found.chosen))
-    with StopSignal() as stop:
+    with StopSignal() as stop:  # from here on a stop signal ends it in one line (the model loaded first)
+        found = resume.sampled(how, save_dir_of(args), sampler.sample_replica)
+        cfg = make_config(single_run(args, **found.shape))
+        expected = expected_arrays(cfg._replace(replicas=found.replicas))
+        params = checkpoints.load_checkpoint(found.folder, expected)[0]
+        if found.setting:
+            print(f"replica {found.chosen} of {found.replicas} ({pbt.settings_text(found.setting)})")
+        model = jax.tree.map(jnp.asarray, replica_of(params, found.chosen))
         text = sampling.printable(sample_text(model, cfg, sampler, args.seed))
         stop.check("while sampling")
     print(text)

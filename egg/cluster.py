@@ -270,6 +270,8 @@ def check_memory(mesh, temporaries: float, population: int, unit: int) -> None:
 
 
 EXIT_STOPPED = 128  # a run a stop signal ended exits 128 + its number: 130 (SIGINT), 143 (SIGTERM)
+SUPERVISED = "EGG_JAX_SUPERVISED"  # the supervisor's PID, in the environment of the process it runs
+ECHO_SECONDS = 2.0  # a supervised child's same signal again within this is an echo (StopSignal)
 
 
 class Stopped(BaseException):
@@ -292,10 +294,13 @@ class StopSignal:
     never interrupted (an exception inside JAX's compiler can crash the process). Only within
     interruptible(), where nothing can be left half-done, does a signal raise Stopped at once. A
     second signal ends the process at once, by that signal. `alone`: the run has this process alone
-    (processes of a run of several stop together, after a generation: stop_requested)."""
+    (processes of a run of several stop together, after a generation: stop_requested). In a
+    supervisor's child the same signal again within ECHO_SECONDS is the first's echo, not a second:
+    a terminal's Ctrl-C or SLURM's signal reaches the child itself and through its supervisor."""
 
     def __init__(self, alone: bool = True):
         self.received, self.previous, self.raising, self.alone = None, {}, False, alone
+        self.echoes, self.at = SUPERVISED in os.environ, 0.0
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -308,26 +313,25 @@ class StopSignal:
         self.__enter__()
 
     def handle(self, signum, frame):
-        name = signal.Signals(signum).name
+        name, echo = signal.Signals(signum).name, time.monotonic() - self.at < ECHO_SECONDS
+        if self.received is not None and self.echoes and signum == self.received and echo:
+            return
         if self.received is not None:  # the second: at once, as the signal itself would
             os.write(2, f"\n{name} again: stopping at once\n".encode())
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        self.received = signum
+        self.received, self.at = signum, time.monotonic()
         if self.raising:
             raise Stopped(signum)
-        os.write(
-            2,
-            f"\n{name}: stopping safely, saving a generation in flight ({name} again: at once)\n".encode(),
-        )
+        os.write(2, f"\n{name}: stopping safely, what ran saved ({name} again: at once)\n".encode())
 
     @contextmanager
     def interruptible(self, where: str):
         """Within: a signal raises Stopped at once (reading data: nothing of the run's own is
         written), in a run of this process alone."""
-        self.check(where)
         self.raising = self.alone
         try:
+            self.check(where)
             yield
         except Stopped as stopped:
             raise Stopped(stopped.signum, where) from None

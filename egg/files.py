@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import socket
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 OWNER = ".owner"  # the lock file of a folder a run owns: "host NAME, PID N" while it is held
+HELD = weakref.WeakValueDictionary()  # this process's claims, by folder: a folder is owned once
 
 
 def own(folder: Path, what: str, flag: str, probe: bool = False):
@@ -57,7 +59,10 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
     `flag` say what the folder holds and the flag that would give another. Once owned, the
     temporaries it holds are a dead run's leftovers, and go. `probe`: only refuse a folder in use,
     creating and keeping nothing. The lock is flock(2): local filesystems and NFS v4 honour it, and
-    its holder's death, SIGKILL included, ends it."""
+    its holder's death, SIGKILL included, ends it. A folder this process owns already (the run
+    folder as --save_dir too) returns its claim."""
+    if (held := HELD.get(folder.resolve())) is not None:
+        return held
     if probe and not (folder / OWNER).is_file():
         return None
     try:
@@ -73,6 +78,11 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
         claim.close()
         in_use = f"{folder} is in use by another run ({owner})"
         raise UserError(f"{in_use}: wait for it to end, or give this run another {flag}") from None
+    except OSError as error:  # a filesystem without flock (NFS mounted nolock, Lustre without flock)
+        claim.close()
+        raise UserError(
+            f"cannot lock {folder} ({error.strerror}): give {flag} on a local filesystem"
+        ) from None
     if probe:
         return claim.close()
     try:
@@ -86,6 +96,7 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     except OSError as error:
         raise unwritable(folder, what, error) from None
+    HELD[folder.resolve()] = claim
     return claim
 
 

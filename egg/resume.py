@@ -231,6 +231,13 @@ def continue_from(
             )
         if opt is None:
             print(f"warning: {folder} holds no --optimizer {identity['optimizer']} state: it starts afresh")
+        later = [c for c in checkpoints_in(save_dir) if c.name > folder.name]
+        if how != "auto" and later and folder.parent.resolve() == save_dir.resolve():
+            raise UserError(
+                f"--resume {how}: {save_dir} holds later checkpoints ({later[-1].name}), which this run "
+                f"would mix with its own: resume the newest (--resume {save_dir}), or give this run "
+                "another --run_name or --save_dir"
+            )
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())
         return Found(params, states, opt, meta, folder, changes)

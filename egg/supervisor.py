@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from egg.checkpoints import checkpoints_in
+from egg.cluster import SUPERVISED
 from egg.files import write_atomic
 from egg.record import run_folder, save_dir_of
 
 EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
-SUPERVISED = "EGG_JAX_SUPERVISED"  # the supervisor's PID, in the environment of the process it runs
+
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process receives when its parent ends
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
 JAX_TERMINATES = "Terminating process because the JAX distributed service detected fatal errors"
@@ -74,14 +75,18 @@ def relay_stderr(child) -> list[str]:
     return held
 
 
-def resume_command(script: Path, argv: list[str]) -> str:
-    """The command that resumes: argv with --resume and its value replaced by --resume auto."""
+def resume_command(script: Path, argv: list[str], save_dir: Path) -> str:
+    """The command that resumes: argv with --resume and its value replaced by save_dir, whose newest
+    checkpoint it continues with the run's own flags (argv's override them); argv itself where no
+    checkpoint is saved yet (--resume auto does the same once there is)."""
+    if not checkpoints_in(save_dir):
+        return shlex.join(["python", script.name, *argv])
     flags, skip = [], False
     for word in argv:
         if not skip and not word.startswith("--resume"):
             flags.append(word)
         skip = word in ("--resume", "--resume_")
-    return shlex.join(["python", script.name, *flags, "--resume", "auto"])
+    return shlex.join(["python", script.name, *flags, "--resume", str(save_dir)])
 
 
 def report_lost_process(
@@ -97,7 +102,7 @@ def report_lost_process(
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     print(
         f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
-        f"{newest}; resume with: {resume_command(script, argv)}",
+        f"{newest}; resume with: {resume_command(script, argv, save_dir)}",
         file=sys.stderr,
     )
 

@@ -279,3 +279,71 @@ def test_a_save_dir_that_is_a_file_is_refused_in_words(tmp_path, capsys):
         result.stderr == f"error: cannot write checkpoints to --save_dir {tmp_path / 'taken'}: it is a file\n"
     )
     assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_a_stop_signal_in_the_last_generation_lets_the_run_finish(tmp_path, monkeypatch, capsys):
+    """The generation a signal interrupts is the last: the run has finished, exit 0, its end said."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "dispatch", signal_within(run, "dispatch"))
+    result = in_process(capsys, *TINY, "--run_name", "r", "--num_epochs", "1")
+    assert result.returncode == 0 and "validation bits/byte" in result.stdout, result.stderr[-2000:]
+    assert checkpoints.checkpoints_in(tmp_path / "runs" / "r" / "checkpoints")[-1].name == "gen-00000001"
+
+
+def test_a_run_folder_that_is_also_its_save_dir_is_owned_once(tmp_path, capsys):
+    result = in_process(capsys, *FOUR, "--runs_dir", str(tmp_path), "--save_dir", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert checkpoints.checkpoints_in(tmp_path / "r")[-1].name == "gen-00000004"
+
+
+def test_resuming_an_older_checkpoint_into_its_own_folder_is_refused(tmp_path, capsys):
+    """Later checkpoints in the folder it would write to would mix with the new run's: refused, the
+    folder untouched; into another run's folder it continues."""
+    base = [*FOUR, "--runs_dir", str(tmp_path)]
+    assert in_process(capsys, *base).returncode == 0
+    before, older = snapshot(tmp_path / "r"), tmp_path / "r" / "checkpoints" / "gen-00000002"
+    result = in_process(capsys, "--resume", str(older), "--num_epochs", "6")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: --resume {older}: {tmp_path / 'r' / 'checkpoints'} holds later ")
+    assert snapshot(tmp_path / "r") == before
+    branch = in_process(capsys, "--resume", str(older), "--num_epochs", "6", "--run_name", "branch")
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    assert "at generation 2" in branch.stdout
+
+
+ECHOED = """
+import os, signal, sys, time
+os.environ[sys.argv[1]] = "1"
+from egg.cluster import StopSignal
+with StopSignal() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)  # from the terminal or SLURM, and through the supervisor
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    print(stop.received)
+"""
+
+
+def test_a_supervised_child_takes_one_signal_twice_over_for_one(tmp_path):
+    """A supervisor's child receives a terminal's or SLURM's signal itself and again through its
+    supervisor: the echo is not a second signal, which would end it unsaved."""
+    child = subprocess.run(
+        [sys.executable, "-c", ECHOED, cluster.SUPERVISED], cwd=ROOT, capture_output=True, text=True
+    )
+    assert (child.returncode, child.stdout.strip()) == (0, str(int(signal.SIGTERM))), child.stderr
+    assert "stopping at once" not in child.stderr and child.stderr.count("SIGTERM: stopping safely") == 1
+
+
+def test_a_folder_on_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from egg import UserError, files
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(
+        UserError, match=r"^cannot lock .*/r \(No locks available\): give --run_name on a local"
+    ):
+        files.own(tmp_path / "r", "metrics to --runs_dir", "--run_name")
