@@ -248,8 +248,8 @@ def memory_left(mesh) -> tuple[float, int]:
 def check_memory(mesh, temporaries: float, population: int, unit: int) -> None:
     """Refuse a compiled step whose temporaries (MiB a device) exceed the memory left (memory_left)
     before it first runs, naming about the largest --parallel_generations_per_gpu, a multiple of
-    `unit`, that fits: temporaries grow with the population nearly in proportion (a tenth of what
-    is left kept in reserve)."""
+    `unit`, that fits with a tenth of what is left to spare: temporaries grow with the population
+    nearly in proportion."""
     left, sharing = memory_left(mesh)
     need = temporaries * 2**20 * sharing
     if need <= left:

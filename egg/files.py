@@ -84,7 +84,8 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
             f"cannot lock {folder} ({error.strerror}): give {flag} on a local filesystem"
         ) from None
     if probe:
-        return claim.close()
+        claim.close()
+        return None
     try:
         claim.seek(0)
         claim.truncate()

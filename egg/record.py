@@ -62,6 +62,12 @@ def save_dir_of(args) -> Path:
     return Path(args.checkpointing.save_dir or run_folder(args) / "checkpoints")
 
 
+def resume_target(args) -> Path:
+    """What --resume names to continue this run: its run folder, or its --save_dir if elsewhere."""
+    folder, save_dir = run_folder(args), save_dir_of(args)
+    return folder if save_dir == folder / "checkpoints" else save_dir
+
+
 def logged_before(line: str, generation: int) -> bool:
     """Whether a metrics.jsonl line is a whole record of a generation <= `generation` (a kill
     while writing can leave a last line cut short)."""
@@ -258,13 +264,12 @@ def tolerated(what: str, log, after: str = "training goes on"):
 def where_it_went(args, stopped: bool) -> str:
     """A run's last line (run.Args): its folder, its newest checkpoint and the commands that sample
     from it and continue it (a finished run: to twice its generations)."""
-    folder, save_dir, epochs = run_folder(args), save_dir_of(args), args.num_epochs
-    saved = checkpoints_in(save_dir)
+    folder, epochs = run_folder(args), args.num_epochs
+    saved = checkpoints_in(save_dir_of(args))
     if not saved:
         return f"the run's record: {folder} (no checkpoint)"
-    resume = folder if save_dir == folder / "checkpoints" else save_dir
     more = "" if stopped else f" --num_epochs {2 * epochs}"
-    resume = shlex.quote(str(resume))
+    resume = shlex.quote(str(resume_target(args)))
     return (
         f"the run's record: {folder}; its newest checkpoint: {saved[-1]}; sample: python run.py --sample "
         f"--resume {resume}; continue: python run.py --resume {resume}{more}"

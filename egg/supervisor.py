@@ -19,7 +19,7 @@ from pathlib import Path
 from egg.checkpoints import checkpoints_in
 from egg.cluster import SUPERVISED
 from egg.files import write_atomic
-from egg.record import run_folder, save_dir_of
+from egg.record import resume_target, run_folder, save_dir_of
 
 EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
 
@@ -75,34 +75,33 @@ def relay_stderr(child) -> list[str]:
     return held
 
 
-def resume_command(script: Path, argv: list[str], save_dir: Path) -> str:
-    """The command that resumes: argv with --resume and its value replaced by save_dir, whose newest
-    checkpoint it continues with the run's own flags (argv's override them); argv itself where no
-    checkpoint is saved yet (--resume auto does the same once there is)."""
-    if not checkpoints_in(save_dir):
+def resume_command(script: Path, argv: list[str], args) -> str:
+    """The command that resumes: argv with --resume and its value replaced by the run's own
+    (record.resume_target), whose newest checkpoint it continues with the run's flags (argv's
+    override them); argv itself where no checkpoint is saved yet."""
+    if not checkpoints_in(save_dir_of(args)):
         return shlex.join(["python", script.name, *argv])
     flags, skip = [], False
     for word in argv:
         if not skip and not word.startswith("--resume"):
             flags.append(word)
         skip = word in ("--resume", "--resume_")
-    return shlex.join(["python", script.name, *flags, "--resume", str(save_dir)])
+    return shlex.join(["python", script.name, *flags, "--resume", str(resume_target(args))])
 
 
-def report_lost_process(
-    script: Path, argv: list[str], log: str, run_folder: Path, save_dir: Path, proc
-) -> None:
-    """The supervisor's one line: what JAX says was lost, where its log went, the newest complete
-    checkpoint and the command that resumes."""
-    process = os.environ.get("SLURM_PROCID", proc)  # under SLURM --proc_id is not given
-    record = (run_folder if run_folder.is_dir() else Path(".")) / f"process-{process}-lost.log"
+def report_lost_process(script: Path, argv: list[str], log: str, args) -> None:
+    """The supervisor's one line (run.Args `args`): what JAX says was lost, where its log went, the
+    newest complete checkpoint and the command that resumes."""
+    folder, save_dir = run_folder(args), save_dir_of(args)
+    process = os.environ.get("SLURM_PROCID", args.hosts.proc_id)  # under SLURM --proc_id is not given
+    record = (folder if folder.is_dir() else Path(".")) / f"process-{process}-lost.log"
     write_atomic(record, log.encode())
     saved = checkpoints_in(save_dir)
     newest = f"the newest complete checkpoint is {saved[-1]}" if saved else f"no checkpoint in {save_dir} yet"
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     print(
         f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
-        f"{newest}; resume with: {resume_command(script, argv, save_dir)}",
+        f"{newest}; resume with: {resume_command(script, argv, args)}",
         file=sys.stderr,
     )
 
@@ -121,5 +120,5 @@ def supervise(script: Path, argv: list[str], args) -> int:
     if JAX_TERMINATES not in log:
         sys.stderr.write(log + ("\n" if log else ""))
         return 128 - code if code < 0 else code
-    report_lost_process(script, argv, log, run_folder(args), save_dir_of(args), args.hosts.proc_id)
+    report_lost_process(script, argv, log, args)
     return EXIT_PROCESS_LOST

@@ -284,7 +284,8 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     assert line.startswith("error: process 1 stopped answering (JAX ended this one at ")
     assert f"the newest complete checkpoint is {checkpoints / saved[-1]}; resume with: python run.py " in line
     assert (
-        line.endswith(f"--resume {checkpoints}") and (tmp_path / "lost" / "r" / "process-0-lost.log").exists()
+        line.endswith(f"--resume {checkpoints.parent}")
+        and (tmp_path / "lost" / "r" / "process-0-lost.log").exists()
     )
     newest = int(saved[-1].split("-")[1])
     longer = ["--run_name", "r", "--num_epochs", str(newest + 4)]
