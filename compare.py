@@ -10,7 +10,7 @@ Every run is `python run.py FLAGS --data CORPUS --seed S --num_epochs N ... VARI
 another (each uses the whole machine), its metrics read back from its metrics.jsonl; a variant's
 flags come last, so they win over the common ones (e.g. its own --num_epochs). A variant whose flags
 start with @backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation
-on the same bytes, e.g. "gru=@backprop --model mingru --num_epochs 1000": steps, not generations).
+on the same bytes, e.g. "gru=@backprop --network mingru --num_epochs 1000": steps, not generations).
 The wall-time column is the last validation reached within --wall_seconds of training (compilation
 and validation excluded), the bytes column the last within --train_bytes bytes trained on, so
 validate often (--validate_every) for them to mean much. --plot draws every variant's curves against

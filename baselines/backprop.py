@@ -1,7 +1,7 @@
 """Backpropagation baselines on egg-jax's bytes: what a float32 model trained with gradients (optax's
 Adam) reaches on the same training bytes, validated on the very rows run.py validates on.
 
-    python baselines/backprop.py --model mingru --data corpora/english_train.bin \
+    python baselines/backprop.py --network mingru --data corpora/english_train.bin \
         --valid_data corpora/english_valid.bin --n_embd 64 --n_layer 2 --num_epochs 3000 --validate_every 100
 
 - mingru: EGG's model in float32, layer for layer: the byte embedding, n_layer x [L1 layer norm ->
@@ -40,13 +40,13 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run  # noqa: E402  (run.py's data and validation rows; importing it does nothing)
-from egg import corpora  # noqa: E402
+from egg import corpus  # noqa: E402
 from egg.flags import check_range  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Args(run.Args):
-    model: Literal["mingru", "transformer"] = "mingru"
+    network: Literal["mingru", "transformer"] = "mingru"
     """what to train: EGG's minGRU in float32, or a causal Transformer of the same width and depth"""
     batch_size: int = 64
     """rows a step trains on"""
@@ -66,7 +66,7 @@ def l1_norm(x, gain):
 
 
 def init_mingru(key, args: Args) -> dict:
-    n, layers = args.architecture.n_embd, args.architecture.n_layer
+    n, layers = args.model.n_embd, args.model.n_layer
     shapes = dict(Wf=(n, n), Uf=(n, n), Wh=(n, n), Uh=(n, n), W1=(4 * n, n), W2=(n, 4 * n))
     keys = iter(jax.random.split(key, 2 + len(shapes)))
     params = {
@@ -111,7 +111,7 @@ def mingru_forward(params, h, tokens):
 
 
 def init_transformer(key, args: Args) -> dict:
-    n, layers = args.architecture.n_embd, args.architecture.n_layer
+    n, layers = args.model.n_embd, args.model.n_layer
     keys = iter(jax.random.split(key, 8))
 
     def dense(rows, cols):
@@ -188,8 +188,8 @@ def make_step(forward, optimizer):
 def validation_bits(forward, params, rows: np.ndarray, args: Args) -> float:
     """Bits/byte on run.py's validation rows, each from a zero state: the minGRU over the whole row,
     the Transformer window by window (each a fresh context)."""
-    zero = jnp.zeros((rows.shape[0], args.architecture.n_layer, args.architecture.n_embd))
-    if args.model == "mingru":
+    zero = jnp.zeros((rows.shape[0], args.model.n_layer, args.model.n_embd))
+    if args.network == "mingru":
         logits, _ = jax.jit(forward)(params, zero, jnp.asarray(rows[:, :-1]))
         return float(bits(logits, jnp.asarray(rows[:, 1:])))
     total, count, span = 0.0, 0, args.window
@@ -204,20 +204,20 @@ def validation_bits(forward, params, rows: np.ndarray, args: Args) -> float:
 def train(args: Args) -> dict:
     """Train --num_epochs steps, validating every --validate_every and at the end; write the run's
     metrics.jsonl; return the last metrics."""
-    train_bytes, valid_bytes = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
+    train_bytes, valid_bytes = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     rows = run.validation_rows(valid_bytes, args)
-    baselines = corpora.cached_baselines(train_bytes, rows, args.corpus.dir_path)
+    baselines = corpus.cached_baselines(train_bytes, rows, args.corpus.dir_path)
     stride = len(train_bytes) // args.batch_size
     windows = (stride - 1) // args.window
     if windows < 1:
         raise run.UserError(f"--data has {len(train_bytes)} bytes: too short for {args.batch_size} rows")
-    init, forward = MODELS[args.model]
+    init, forward = MODELS[args.network]
     params = init(jax.random.key(args.seed), args)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
     opt_state, step = optimizer.init(params), make_step(forward, optimizer)
-    state = jnp.zeros((args.batch_size, args.architecture.n_layer, args.architecture.n_embd))
-    name = args.tracking.run_name or f"backprop-{args.model}-{Path(args.corpus.data).stem}-seed{args.seed}"
-    folder = Path(args.tracking.runs_dir) / name
+    state = jnp.zeros((args.batch_size, args.model.n_layer, args.model.n_embd))
+    name = args.record.run_name or f"backprop-{args.network}-{Path(args.corpus.data).stem}-seed{args.seed}"
+    folder = Path(args.record.runs_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1) + "\n")
     starts = np.arange(args.batch_size) * stride

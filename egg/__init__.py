@@ -1,20 +1,23 @@
 """The tools beside run.py: everything a training run needs that is not the algorithm. Each tool's
-flags are a group of its own (a Flags dataclass), which run.Args gathers.
+flags are a group of its own (a Flags dataclass), which run.Args gathers under the module's name.
 
     flags.py        what each flag allows (Facts), the command line's forms, the upstream preset
     files.py        files written whole or not at all; a folder owned by one run (a lock)
-    corpora.py      training bytes: minipile, stdlib, files and folders, cached; the baselines
+    corpus.py       training bytes: minipile, stdlib, files and folders, cached; the baselines
     checkpoints.py  checkpoint folders: written atomically, kept, read back and checked
-    resume.py       which checkpoint a run continues, with which flags; --sample's checkpoint
+    resume.py       which checkpoint a run continues, checked against what the run says it is
     cluster.py      devices, processes, memory and stop signals: the mesh, host copies, the CPU split
     supervisor.py   a several-process run's launcher: a lost process said in one line, no orphan
-    record.py       metrics.jsonl and Weights & Biases; what the run says; asides that may fail
+    record.py       metrics.jsonl and Weights & Biases; a run's folders; what it says; asides that fail
     diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
-    pbt.py          replicas' flags and population-based training: exploit and explore
+    pbt.py          replicas' settings and population-based training: exploit and explore
     sampling.py     text drawn from a model's log2-probabilities, byte by byte
+    kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic defines
     hlo.py          a compiled program's text read once: collectives, kernels and their cost
 
-Nothing here imports run.py: the dependencies point from run.py (and the scripts) to this package.
+Nothing here imports run.py, and nothing here reads run.py's objects: each function takes plain
+values or a small structure of its own module. The dependencies point from run.py (and the
+scripts) to this package.
 """
 
 

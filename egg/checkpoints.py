@@ -1,9 +1,13 @@
 """Checkpoints. One folder per checkpoint, readable without egg-jax:
   params.npz    the int8 parameters, one array per name (numpy's own format)
   states.npz    the carried hidden states (population, n_layer, n_embd) int8
-  optimizer.npz the update rule's int16 state, one array per 'SLOT/NAME' (none for --optimizer ztest)
-  meta.json     generation, validation score, format, every flag of the run, and the settings that
-                decide its training (compared on resume)
+  optimizer.npz the update rule's state, one array per 'SLOT/NAME' (momentum: int16 m; none for
+                a rule that keeps no state, ztest)
+  meta.json     generation, validation score, format, the model ("8D-2L") and its replicas, every
+                flag of the run, and the settings that decide its training (compared on resume);
+                of several replicas, their settings ("replica_settings", each a dict), last
+                validations ("replica_val_bits_per_byte") and the best ("best_replica"); of the
+                best replica of several, which ("replica") and its settings ("replica_setting")
 A run of K > 1 replicas stores every array with its leading (K,) axis; a single model, a run of one
 or the best replica of several, without it. Folders are written under their temporary name and
 renamed into place, and the pointer files LATEST and BEST are replaced by rename too: a kill at any
@@ -40,11 +44,11 @@ class Flags:
     """generations between checkpoints (0: only at the end and when stopped by a signal)"""
     keep_checkpoints: Annotated[int, *flag("[1, inf)")] = 3
     """periodic checkpoints to keep (the best by validation is kept besides)"""
-    resume: str = ""
+    resume: Annotated[str, *flag(carried=False)] = ""
     """continue a run: PATH (a run folder, its checkpoints folder or one checkpoint) with that run's own
     flags, those given here overriding them; or 'auto': the newest checkpoint in --save_dir, with the
     flags given"""
-    allow_changes: bool = False
+    allow_changes: Annotated[bool, *flag(carried=False)] = False
     """with --resume: continue although flags that change training differ from the checkpoint's (logged)"""
 
 
@@ -60,16 +64,16 @@ class UnreadableCheckpoint(UserError):
         self.folder, self.reason = folder, reason
 
 
-def save_checkpoint(folder: Path, params, opt, states, meta: dict) -> None:
+def save_checkpoint(folder: Path, params, rule_state, states, meta: dict) -> None:
     """Write a checkpoint folder atomically (nothing happens if it already exists)."""
     if folder.exists():
         return
     tmp = temporary(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = {"params.npz": params, "states.npz": {"states": states}, "optimizer.npz": opt}
+    files = {"params.npz": params, "states.npz": {"states": states}, "optimizer.npz": rule_state}
     for name, arrays in files.items():
-        if arrays:  # no optimizer.npz for --optimizer ztest
+        if arrays:  # no optimizer.npz for a rule that keeps no state
             with atomic_file(tmp / name) as f:
                 np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
     write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
@@ -85,58 +89,75 @@ def remove_checkpoint(folder: Path) -> None:
 
 
 class Expected(NamedTuple):
-    """What a run reads from a checkpoint: every array's shape without the replica axis."""
+    """What a run reads from a checkpoint: every array's (shape without the replica axis, dtype)."""
 
-    params: dict  # {name: shape}, int8
-    opt: dict  # {'SLOT/NAME': shape} of this run's update rule, int16
-    states: tuple  # (population, n_layer, n_embd), int8
+    params: dict  # {name: (shape, dtype)}
+    rule_state: dict  # {'SLOT/NAME': (shape, dtype)} of this run's update rule
+    states: tuple  # ((population, n_layer, n_embd), dtype)
     replicas: int
     model: str  # e.g. "256D-6L", for the refusal of another model
 
 
+class Loaded(NamedTuple):
+    """A checkpoint's arrays, each with the replica axis, and its meta.json."""
+
+    params: dict
+    states: np.ndarray | None  # None: another population layout, the states restart
+    rule_state: dict | None  # None: no state of this run's update rule, it starts afresh
+    meta: dict
+
+
 def read_arrays(folder: Path):
-    """(params, states, opt, meta) of a checkpoint folder as stored."""
+    """(params, states, rule_state, meta) of a checkpoint folder as stored."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
         with np.load(folder / "params.npz") as f:
             params = {k: f[k] for k in f.files}
         with np.load(folder / "states.npz") as f:
             states = f["states"]
-        opt = {}
+        rule_state = {}
         if (folder / "optimizer.npz").exists():
             with np.load(folder / "optimizer.npz") as f:
-                opt = {k: f[k] for k in f.files}
+                rule_state = {k: f[k] for k in f.files}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise UnreadableCheckpoint(folder, type(error).__name__) from None
-    return params, states, opt, meta
+    return params, states, rule_state, meta
 
 
-def load_checkpoint(folder: Path, expected: Expected):
-    """(params, states or None, opt or None, meta) of a checkpoint folder, checked against what this
-    run expects, every array with the replica axis. States come back as None when the population
-    layout differs (they cannot carry over), opt as None when the checkpoint holds no state of this
-    run's update rule."""
-    params, states, opt, meta = read_arrays(folder)
-    stored = (expected.replicas,) if expected.replicas > 1 else ()  # the leading axis of this run's files
-    shapes = {k: stored + shape for k, shape in expected.params.items()}
-    if {k: v.shape for k, v in params.items()} != shapes or any(v.dtype != np.int8 for v in params.values()):
-        flags = meta.get("args", {})
-        held, mine = 1 if "replica" in meta else flags.get("replicas", 1), expected.replicas  # best-*: one
+def matches(arrays: dict, expected: dict, stored: tuple) -> bool:
+    """Whether arrays have exactly the expected names, shapes (after the `stored` axes) and dtypes."""
+    found = {k: (v.shape, v.dtype) for k, v in arrays.items()}
+    return found == {k: (stored + shape, np.dtype(dtype)) for k, (shape, dtype) in expected.items()}
+
+
+def load_checkpoint(folder: Path, expected: Expected) -> Loaded:
+    """A checkpoint folder's arrays, checked against what this run expects, every array with the
+    replica axis. States come back as None when the population layout differs (they cannot carry
+    over), the rule state as None when the checkpoint holds none of this run's update rule."""
+    params, states, rule_state, meta = read_arrays(folder)
+    stored = (
+        (expected.replicas,) if expected.replicas > 1 else ()
+    )  # the leading axis of this run's files
+    if not matches(params, expected.params, stored):
+        held, mine = meta.get("replicas"), expected.replicas
+        model = f"a {meta['model']} model" if "model" in meta else "a model of another shape"
+        holds = f"{held} replicas of {model}" if held and held > 1 else model
+        runs = f"{mine} replicas of {expected.model}" if mine > 1 else expected.model
+        also = " and --replicas" if held != mine else ""
         raise UserError(
-            f"checkpoint {folder} holds {f'{held} replicas of ' if held > 1 else ''}a "
-            f"{flags.get('n_embd')}D-{flags.get('n_layer')}L model; this run is "
-            f"{f'{mine} replicas of ' if mine > 1 else ''}{expected.model}: pass the same "
-            f"--n_embd and --n_layer{' and --replicas' if held != mine else ''}, or another checkpoint"
+            f"checkpoint {folder} holds {holds}; this run is {runs}: pass the same --n_embd and "
+            f"--n_layer{also}, or another checkpoint"
         )
-    if states.shape != stored + expected.states or states.dtype != np.int8:
+    if not matches({"states": states}, {"states": expected.states}, stored):
         states = None
-    want = {k: stored + shape for k, shape in expected.opt.items()}
-    opt = {k: v for k, v in opt.items() if k in want}  # e.g. adam's v, resumed as momentum
-    if {k: v.shape for k, v in opt.items()} != want or any(v.dtype != np.int16 for v in opt.values()):
-        opt = None
+    rule_state = {
+        k: v for k, v in rule_state.items() if k in expected.rule_state
+    }  # what this rule keeps
+    if not matches(rule_state, expected.rule_state, stored):
+        rule_state = None
     if not stored:  # a single model's file: give it the run's replica axis of 1
-        params, states, opt = jax.tree.map(lambda x: x[None], (params, states, opt))
-    return params, states, opt, meta
+        params, states, rule_state = jax.tree.map(lambda x: x[None], (params, states, rule_state))
+    return Loaded(params, states, rule_state, meta)
 
 
 def checkpoint_digest(folder: Path) -> str:
@@ -160,17 +181,28 @@ class Checkpointer:
     """Saves every --save_every generations, keeps the last `keep` plus the best by validation
     bits/byte, and points LATEST and BEST at them. Only the writer (process 0) touches the disk;
     every process takes part in copying the arrays to the host. `flags`: the run's, recorded in
-    every meta.json; `training`: what decides its training, compared on resume."""
+    every meta.json; `training`: what decides its training, compared on resume; `model`: its name
+    ("8D-2L"); `replicas`: how many it trains."""
 
-    def __init__(self, save_dir: Path, flags: dict, keep: int, training: dict | None = None, writer=True):
+    def __init__(
+        self,
+        save_dir: Path,
+        flags: dict,
+        keep: int,
+        training: dict | None = None,
+        writer: bool = True,
+        model: str = "",
+        replicas: int = 1,
+    ):
         self.dir, self.flags, self.keep, self.writer = save_dir, flags, keep, writer
-        self.training = training
+        self.training, self.model, self.replicas = training, model, replicas
         self.best = math.inf
 
     def write(
         self, name: str, arrays: tuple, generation: int, val_bpb: float, extra: dict, pointer: str
     ) -> Path:
-        """Save (params, opt, states) as the folder `name` and point `pointer` (LATEST, BEST) at it."""
+        """Save (params, rule_state, states) as the folder `name` and point `pointer` (LATEST, BEST)
+        at it."""
         folder = self.dir / name
         if self.writer:
             meta = {
@@ -178,6 +210,8 @@ class Checkpointer:
                 "generation": generation,
                 "val_bits_per_byte": val_bpb,
                 "best_val_bits_per_byte": self.best,
+                "model": self.model,
+                "replicas": self.replicas if pointer == "LATEST" else 1,
                 "args": self.flags,
                 "training": self.training,
                 **extra,
@@ -189,7 +223,7 @@ class Checkpointer:
     def save(self, generation: int, arrays: tuple, val_bpb: float, extra: dict) -> Path:
         """A periodic checkpoint of every replica (arrays with the replica axis; one model's alone
         is stored without it), the oldest beyond `keep` removed."""
-        if self.flags.get("replicas", 1) == 1:
+        if self.replicas == 1:
             arrays = jax.tree.map(lambda x: x[0], arrays)
         folder = self.write(f"gen-{generation:08d}", arrays, generation, val_bpb, extra, "LATEST")
         if self.writer:
@@ -198,7 +232,7 @@ class Checkpointer:
         return folder
 
     def offer_best(self, generation: int, model: tuple, val_bpb: float, extra: dict) -> None:
-        """Keep one model (params, opt, states without the replica axis) if its validation score
+        """Keep one model (params, rule_state, states without the replica axis) if its validation score
         is the best so far: the best replica's, as a single run's checkpoint, `extra` saying which."""
         if not val_bpb < self.best:
             return

@@ -20,28 +20,29 @@ import numpy as np
 import tyro
 
 from egg import UserError
-from egg.flags import check_range, flag
+from egg.flags import Facts, check_range, flag
 
 
 @dataclass(frozen=True)
 class Flags:
     platform: Annotated[
         Literal["", "cpu", "cuda", "rocm", "tpu"],
+        Facts(carried=False),
         tyro.conf.arg(help_behavior_hint="(default: JAX's choice: its accelerator, else the CPU)"),
     ] = ""
     """JAX platform to run on"""
-    coord_addr: str = ""
+    coord_addr: Annotated[str, *flag(carried=False)] = ""
     """address:port of process 0's coordinator, for a multi-host run started by hand"""
-    num_procs: Annotated[int, *flag("[1, inf)")] = 1
+    num_procs: Annotated[int, *flag("[1, inf)", carried=False)] = 1
     """number of processes of a multi-host run started by hand"""
-    proc_id: Annotated[int, *flag("[0, inf)")] = 0
+    proc_id: Annotated[int, *flag("[0, inf)", carried=False)] = 0
     """index of this process in a multi-host run started by hand (below --num_procs)"""
     heartbeat_timeout: Annotated[int, *flag("[2, inf)")] = 30
     """several processes: seconds without a heartbeat after which a process counts as lost, and the
     others stop (exit code 75) with its name, the newest checkpoint and the command that resumes.
     Heartbeats come from a thread of JAX's own, so a process that is slow but alive (compiling,
     validating, saving) keeps sending them"""
-    cpu_devices: Annotated[int, *flag("[0, inf)", why="0: one per core")] = 0
+    cpu_devices: Annotated[int, *flag("[0, inf)", why="0: one per core", carried=False)] = 0
     """on the CPU: the JAX devices this host is split into, each evaluating its share of the
     population on its own (0: one per core, fewer where the share would not hold whole groups; 1
     with --rank 0 or several processes; 1: one device, whose products XLA spreads over the
@@ -66,7 +67,9 @@ class QuietPluginErrors(logging.Filter):
         if not record.getMessage().startswith("Jax plugin configuration error"):
             return True
         if record.exc_info and record.exc_info[1] is not None:
-            QuietPluginErrors.seen.append(f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
+            QuietPluginErrors.seen.append(
+                f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+            )
         return Path("/dev/nvidiactl").exists()
 
 
@@ -87,28 +90,26 @@ def enable_compilation_cache(dir_path: str) -> None:
 
 
 def prepare(
-    hosts: Flags,
-    platform: str,
-    members: int,
-    group_size: int,
-    perturbations: int,
-    full_rank: bool,
-    cache: str,
+    hosts: Flags, platform: str, members: int, unit: int, full_rank: bool, cache: str
 ) -> int:
     """Before JAX starts: the platform (`platform`, else --platform, else JAX's choice), the CPU split
-    (returned: --cpu_devices as used, split_cpu) for these members per device, groups and distinct
-    perturbations (0: one per member), and the compilation cache in the folder `cache`."""
+    (returned: --cpu_devices as used, split_cpu) for these members per device, which a device's
+    share must hold in multiples of `unit`, and the compilation cache in the folder `cache`."""
     enable_compilation_cache(cache)
     platform = platform or hosts.platform
     select_platform(platform)
     check_range(Flags, "cpu_devices", hosts.cpu_devices)
     one = several_processes(hosts) or full_rank
-    return split_cpu(hosts.cpu_devices, platform, members, group_size, perturbations, one)
+    return split_cpu(hosts.cpu_devices, platform, members, unit, one)
 
 
 def several_processes(hosts: Flags) -> bool:
     """Whether this process is one of several: given by hand, or a SLURM job of several tasks."""
-    return bool(hosts.coord_addr) or hosts.num_procs > 1 or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return (
+        bool(hosts.coord_addr)
+        or hosts.num_procs > 1
+        or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    )
 
 
 def init_distributed(hosts: Flags) -> None:
@@ -126,15 +127,13 @@ def init_distributed(hosts: Flags) -> None:
         jax.distributed.initialize(**timeout)
 
 
-def cpu_share_fits(members: int, group_size: int, perturbations: int, shards: int) -> bool:
-    """Whether each of `shards` devices' share of the members per device holds whole groups (so
-    whole antithetic pairs) and, with perturbations, whole blocks of distinct noises."""
-    share = members // shards
-    fits = members > 0 and group_size > 0 and members % shards == 0 and share % group_size == 0
-    return fits and (perturbations <= 0 or share % perturbations == 0)
+def cpu_share_fits(members: int, unit: int, shards: int) -> bool:
+    """Whether each of `shards` devices' share of the members per device is a whole number of units
+    (the run's: whole pairs, groups and blocks of distinct noises)."""
+    return members > 0 and unit > 0 and members % shards == 0 and (members // shards) % unit == 0
 
 
-def split_cpu(given: int, platform: str, members: int, group_size: int, perturbations: int, one: bool) -> int:
+def split_cpu(given: int, platform: str, members: int, unit: int, one: bool) -> int:
     """The JAX devices the host's CPU is split into (--cpu_devices as used; 1: not split), set before
     JAX starts. XLA spreads each product of a single CPU device over the cores, which for this
     model's small int8 products costs more than it gains (docs/design.org, "Many devices and
@@ -146,23 +145,31 @@ def split_cpu(given: int, platform: str, members: int, group_size: int, perturba
     forced = forced or "JAX_NUM_CPU_DEVICES" in os.environ
     if (platform or os.environ.get("JAX_PLATFORMS") or "cpu") != "cpu" or forced:
         if given > 1:
-            where = "XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count" if forced else "not on the CPU"
+            where = (
+                "XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count"
+                if forced
+                else "not on the CPU"
+            )
             raise UserError(f"--cpu_devices {given}: {where}; leave --cpu_devices out")
         return 1
-    if given and not cpu_share_fits(members, group_size, perturbations, given):
+    if given and not cpu_share_fits(members, unit, given):
         raise UserError(
             f"--cpu_devices {given} must split --parallel_generations_per_gpu {members} into equal shares, "
-            f"each a multiple of --group_size {group_size} (and of --num_perturbations, if given)"
+            f"each a multiple of {unit} (whole groups of --group_size and of --num_perturbations)"
         )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    fits = [s for s in range(1, cores + 1) if cpu_share_fits(members, group_size, perturbations, s)]
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    fits = [s for s in range(1, cores + 1) if cpu_share_fits(members, unit, s)]
     shards = given or (1 if one else max(fits, default=1))
     try:
         jax.config.update("jax_num_cpu_devices", shards)
     except RuntimeError:  # JAX already runs in this process
         running = len(jax.devices("cpu"))
         if given and given != running:
-            raise UserError(f"--cpu_devices {given}: JAX already runs on {running} CPU device(s)") from None
+            raise UserError(
+                f"--cpu_devices {given}: JAX already runs on {running} CPU device(s)"
+            ) from None
         shards = running
     return shards
 
@@ -178,9 +185,14 @@ def population_mesh(axis: str, devices=None) -> jax.sharding.Mesh:
     if devices is None:
         try:
             devices = jax.devices()
-        except (RuntimeError, AssertionError) as error:  # JAX asserts where a plugin failed to start
+        except (
+            RuntimeError,
+            AssertionError,
+        ) as error:  # JAX asserts where a plugin failed to start
             reason = (QuietPluginErrors.seen or [str(error) or "no device"])[-1].splitlines()[0]
-            raise UserError(f"JAX cannot start platform {jax.config.jax_platforms}: {reason}") from None
+            raise UserError(
+                f"JAX cannot start platform {jax.config.jax_platforms}: {reason}"
+            ) from None
     return jax.sharding.Mesh(np.array(devices), (axis,))
 
 
@@ -233,7 +245,10 @@ def host_memory_left() -> float:
         lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
         return math.inf
-    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), math.inf)
+    return next(
+        (int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")),
+        math.inf,
+    )
 
 
 def memory_left(mesh) -> tuple[float, int]:
@@ -256,7 +271,9 @@ def check_memory(mesh, temporaries: float, population: int, unit: int) -> None:
         return
     fits = int(population * 0.9 * left / need) // unit * unit
     advice = (
-        f"--parallel_generations_per_gpu {fits} or less" if fits else "a smaller model (no population fits)"
+        f"--parallel_generations_per_gpu {fits} or less"
+        if fits
+        else "a smaller model (no population fits)"
     )
     where = "the host" if mesh.devices.flat[0].platform == "cpu" else "a device"
     raise UserError(

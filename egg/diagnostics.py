@@ -1,5 +1,6 @@
-"""Diagnostics: the int8 activations' and parameters' health (run.py's --log_every, --debug), from
-the activations of a noise-free forward over a few validation rows and the parameters."""
+"""Diagnostics: the int8 activations' and parameters' health (--log_every, --debug), from a model's
+activations reading a few validation rows noise-free, its parameters and the share of each that
+the last update moved."""
 
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ class Flags:
     """generations between integer-health diagnostics, logged as diag/... (0: none)"""
     debug: bool = False
     """print the diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
-
-
-LAYER_TENSORS = ("gate", "candidate", "state", "mlp_hidden", "residual")  # (rows, bytes, n_layer, width)
 
 
 def tensor_stats(values: np.ndarray, limit: int) -> dict[str, float]:
@@ -41,27 +39,33 @@ def moved_shares(counts, tensors: dict[str, tuple[int, int]]) -> dict[str, float
     layer by layer) and {name: (layers, entries)}."""
     cuts = np.cumsum([layers for layers, _ in tensors.values()])[:-1]
     parts = np.split(np.asarray(counts, np.int64), cuts)
-    return {name: int(c.sum()) / size for (name, (_, size)), c in zip(tensors.items(), parts, strict=True)}
+    return {
+        name: int(c.sum()) / size
+        for (name, (_, size)), c in zip(tensors.items(), parts, strict=True)
+    }
 
 
-def diagnostics(seen: dict, params: dict, moved: dict[str, float], limit: int) -> dict[str, float]:
-    """diag/ metrics: activation statistics per tensor and layer (`seen`: the embedding and logits
-    (rows, bytes, width), the LAYER_TENSORS with a layer axis); per parameter the share at +-127
-    and the share that moved in the last generation (`moved`, by name); saturated: at +-limit."""
+def health(seen: dict, params: dict, moved: dict[str, float], limit: int) -> dict[str, float]:
+    """diag/ metrics: statistics of each activation (`seen`: {name: (rows, bytes, width)}, or with
+    a layer axis (rows, bytes, layers, width): per layer, as NAME0, NAME1, ...); per parameter the
+    share at +-limit and the share that moved in the last generation (`moved`, by name);
+    saturated: at +-limit, the edges of the int8 range."""
     out = {}
-    for name in ("embedding", "logits"):
-        out.update({f"diag/{name}/{k}": v for k, v in tensor_stats(seen[name], limit).items()})
-    for name in LAYER_TENSORS:
-        for layer in range(np.shape(seen[name])[2]):
-            stats = tensor_stats(np.asarray(seen[name])[:, :, layer], limit)
-            out.update({f"diag/{name}{layer}/{k}": v for k, v in stats.items()})
+    for name, values in seen.items():
+        values = np.asarray(values)
+        if values.ndim == 3:
+            parts = {name: values}
+        else:
+            parts = {f"{name}{k}": values[:, :, k] for k in range(values.shape[2])}
+        for label, part in parts.items():
+            out.update({f"diag/{label}/{k}": v for k, v in tensor_stats(part, limit).items()})
     for name, p in params.items():
         out[f"diag/param_{name}/saturated"] = float(np.mean(np.abs(np.asarray(p)) == limit))
         out[f"diag/param_{name}/moved"] = float(moved[name])
     return out
 
 
-def diagnostics_table(values: dict[str, float]) -> str:
+def table(values: dict[str, float]) -> str:
     """A compact table of the diag/ metrics, coloured: red where values saturate (> 5% at +-127)
     or collapse (entropy < 2 bits), yellow at > 1% or < 4 bits, green otherwise."""
     rows = {}
@@ -70,7 +74,9 @@ def diagnostics_table(values: dict[str, float]) -> str:
         rows.setdefault(tensor, {})[stat] = value
 
     def colour(text, saturated, entropy):
-        code = 31 if saturated > 0.05 or entropy < 2 else 33 if saturated > 0.01 or entropy < 4 else 32
+        code = (
+            31 if saturated > 0.05 or entropy < 2 else 33 if saturated > 0.01 or entropy < 4 else 32
+        )
         return f"\033[{code}m{text}\033[0m"
 
     lines = [f"{'tensor':14} {'mean':>8} {'std':>8} {'entropy':>8} {'sat%':>6} {'moved%':>7}"]

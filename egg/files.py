@@ -78,7 +78,9 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
         claim.close()
         in_use = f"{folder} is in use by another run ({owner})"
         raise UserError(f"{in_use}: wait for it to end, or give this run another {flag}") from None
-    except OSError as error:  # a filesystem without flock (NFS mounted nolock, Lustre without flock)
+    except (
+        OSError
+    ) as error:  # a filesystem without flock (NFS mounted nolock, Lustre without flock)
         claim.close()
         raise UserError(
             f"cannot lock {folder} ({error.strerror}): give {flag} on a local filesystem"

@@ -1,17 +1,19 @@
-"""Flags: what run.py knows of each flag besides its type, default and help (its Facts), written once
-beside the flag; the range checks, the --algorithm upstream preset, --help's hints and the
-comparison of a resumed run's settings derive from them. And the command line in the forms W&B
-sweep agents pass.
+"""Flags: what a flags dataclass knows of each flag besides its type, default and help (its Facts),
+written once beside the flag; the range and choice checks, the --algorithm upstream preset, --help's
+hints, the names older runs recorded and the comparison of a resumed run's settings derive from
+them. And the command line in the forms W&B sweep agents pass.
 
-run.Args holds the algorithm's flags, and each tool's flags as a group: a field whose type is the
-tool's own flags dataclass (egg/checkpoints.py's Flags, ...), shown apart in --help; every flag is
-still --name on the command line. Here a flag is known by its name alone, wherever it sits."""
+A flags dataclass holds flags and groups of flags: a field whose type is a flags dataclass of its
+own (a tool's Flags), shown apart in --help under the field's name; every flag is still --name on
+the command line. Here a flag is known by its name alone, wherever it sits. Nothing here knows any
+particular flag: each function takes the dataclass (or its values) it works on."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Annotated, Any, NamedTuple
 
@@ -28,8 +30,13 @@ class Facts(NamedTuple):
     open: tuple[bool, bool] = (False, False)  # ...and whether each end itself is excluded
     why: str = ""  # what the range protects, said when a value outside it is refused
     training: bool = False  # changes what a generation computes: compared when a run resumes
-    upstream: Any = None  # upstream nano-egg's value, where it differs from ours (--algorithm upstream)
-    acts_if: tuple[str, tuple] | None = None  # (flag, values): it acts only where that flag holds one
+    upstream: Any = (
+        None  # upstream nano-egg's value, where it differs from ours (--algorithm upstream)
+    )
+    choices: Callable[[], Iterable[str]] | None = None  # the values allowed, asked for when needed
+    carried: bool = True  # a run continued by --resume PATH takes it from the run's record (else
+    # from its own command line alone: what to do now, where and on how many processes)
+    alias: tuple[str, tuple] | None = None  # (another name, ((its value, this one's), ...))
 
     def ranged(self) -> bool:
         return (self.low, self.high) != (-math.inf, math.inf)
@@ -49,24 +56,34 @@ class Facts(NamedTuple):
 
 def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
     """A flag's Annotated metadata (`Annotated[int, *flag("[0, 6]", training=True)]`): its Facts,
-    the range written as an interval, and --help's hint with the range and upstream's value."""
+    the range written as an interval, and --help's hint with the range or the choices, upstream's
+    value and the alias (made when --help is shown: choices may come from a table defined later)."""
     if interval:
         low, high = (float(x) for x in interval[1:-1].split(","))
         facts.update(low=low, high=high, open=(interval[0] == "(", interval[-1] == ")"))
     known = Facts(**facts)
-    hint = "".join(
-        [
-            f"; {known.allowed()}" if known.ranged() else "",
-            "" if known.upstream is None else f"; upstream: {known.upstream}",
-        ]
-    )
-    return known, tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}{hint})")
+
+    def hint(default) -> str:
+        parts = [f"default: {default if default != '' else repr(default)}"]
+        if known.ranged():
+            parts.append(known.allowed())
+        if known.choices is not None:
+            parts.append(f"one of: {', '.join(known.choices())}")
+        if known.upstream is not None:
+            parts.append(f"upstream: {known.upstream}")
+        if known.alias is not None:
+            name, values = known.alias
+            spelt = {True: f"--{name}", False: f"--no-{name}"}
+            parts.append(", ".join(f"{spelt[k]} is {v}" for k, v in values))
+        return f"({'; '.join(parts)})"
+
+    return known, tyro.conf.arg(help_behavior_hint=hint)
 
 
-def section(title: str = "") -> tuple:
+def section() -> tuple:
     """A group field's Annotated metadata: its flags keep their names (--NAME, no prefix) and show
-    in --help under TITLE options."""
-    return (tyro.conf.OmitArgPrefixes, *([tyro.conf.arg(name=title)] if title else []))
+    in --help under the field's name."""
+    return (tyro.conf.OmitArgPrefixes,)
 
 
 def unwrapped(hint):
@@ -86,7 +103,9 @@ def hints_of(cls: type) -> dict[str, tuple[str, Any]]:
     found = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
         inner = group(hint)
-        found.update({k: (name, h) for k, (_, h) in hints_of(inner).items()} if inner else {name: ("", hint)})
+        found.update(
+            {k: (name, h) for k, (_, h) in hints_of(inner).items()} if inner else {name: ("", hint)}
+        )
     return found
 
 
@@ -130,17 +149,13 @@ def check_range(cls: type, name: str, given, which: str = "") -> None:
 
 
 def check_ranges(args) -> None:
-    """check_range of every flag that has a range."""
+    """check_range of every flag that has a range, and a refusal of a value outside its choices."""
     for name, facts in facts_of(type(args)).items():
         if facts.ranged():
             check_range(type(args), name, value(args, name))
-
-
-def acts(cls: type, settings: dict, name: str) -> bool:
-    """Whether a flag acts in these settings (Facts.acts_if: e.g. --momentum_shift only under
-    --optimizer momentum or adam). A setting that is no flag always acts."""
-    condition = facts_of(cls)[name].acts_if if name in facts_of(cls) else None
-    return condition is None or settings.get(condition[0]) in condition[1]
+        if facts.choices is not None and value(args, name) not in facts.choices():
+            known = ", ".join(facts.choices())
+            raise UserError(f"--{name} must be one of {known}, got {value(args, name)}")
 
 
 def flag_given(argv: list[str], name: str) -> bool:
@@ -169,6 +184,56 @@ def tyro_booleans(argv: list[str], booleans: set[str]) -> list[str]:
     return out
 
 
+def aliases(cls: type) -> dict[str, tuple[str, dict]]:
+    """{another name: (the flag, {its value: the flag's})} of every flag with an alias."""
+    return {f.alias[0]: (name, dict(f.alias[1])) for name, f in facts_of(cls).items() if f.alias}
+
+
+def spelt_out(argv: list[str], cls: type) -> list[str]:
+    """argv with every alias (--NAME, --no-NAME, --NAME=V, --NAME V for V True or False, dashes
+    or underscores) written as the flag it stands for: --FLAG VALUE."""
+    out, words = [], iter(argv)
+    forms = {}
+    for other, (name, values) in aliases(cls).items():
+        for spelling in {other, other.replace("_", "-")}:
+            forms |= {f"--{spelling}": (name, values), f"--no-{spelling}": (name, values, False)}
+            forms[f"--no_{spelling}"] = (name, values, False)
+    for word in words:
+        key, equals, given = word.partition("=")
+        found = forms.get(key)
+        if found is None:
+            out.append(word)
+            continue
+        if len(found) == 3:  # --no-NAME
+            setting = False
+        elif equals:
+            setting = given
+        else:
+            following = next(words, None)
+            if following is not None and following.lower() not in ("true", "false"):
+                out.append(f"--{found[0]}")
+                out.append(str(found[1][True]))
+                out.append(following)
+                continue
+            setting = True if following is None else following
+        if isinstance(setting, str):
+            if setting.lower() not in ("true", "false"):
+                raise UserError(f"{key} takes True or False, got {setting!r}")
+            setting = setting.lower() == "true"
+        out += [f"--{found[0]}", str(found[1][setting])]
+    return out
+
+
+def translated(settings: dict, aliases_: dict[str, tuple[str, dict]]) -> dict:
+    """Settings an older run recorded (its flags, its training identity) under today's names: an
+    alias of aliases() and its value as the flag it stands for, where the flag itself is absent."""
+    out = dict(settings)
+    for other, (name, values) in aliases_.items():
+        if other in out and name not in out:
+            out[name] = values[bool(out.pop(other))]
+    return out
+
+
 def upstream_preset(cls: type) -> dict[str, Any]:
     """--algorithm upstream: upstream nano-egg's value of every flag whose default here differs."""
     return {name: f.upstream for name, f in facts_of(cls).items() if f.upstream is not None}
@@ -180,15 +245,24 @@ def parse(cls: type, argv: list[str], recorded: dict | None = None):
     run's flags as flat() wrote them (JSON), the defaults the command line overrides; the preset is
     in them already (it applies again only where --algorithm is given)."""
     booleans = {
-        name for name, (_, hint) in hints_of(cls).items() if hint is bool or bool in typing.get_args(hint)
+        name
+        for name, (_, hint) in hints_of(cls).items()
+        if hint is bool or bool in typing.get_args(hint)
     }
-    out, defaults = tyro_booleans(argv, booleans), None
+    out, defaults = tyro_booleans(spelt_out(argv, cls), booleans), None
     if recorded:
-        known = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in hints_of(cls)}
+        recorded = translated(recorded, aliases(cls))
+        known = {
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in recorded.items()
+            if k in hints_of(cls)
+        }
         defaults = replace(cls(), **known)
     # --help spells flags as upstream does
     args = tyro.cli(cls, args=out, use_underscores=True, default=defaults)
-    if getattr(args, "algorithm", "") == "upstream" and (not recorded or flag_given(out, "algorithm")):
+    if getattr(args, "algorithm", "") == "upstream" and (
+        not recorded or flag_given(out, "algorithm")
+    ):
         preset = upstream_preset(cls)
         given = {k for k in preset if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))}
         args = replace(args, **{k: v for k, v in preset.items() if k not in given})

@@ -10,7 +10,17 @@ import re
 import time
 from typing import Any, NamedTuple
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+}
 DTYPE_BYTES |= {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 # opcodes that launch nothing on a GPU (bookkeeping, aliases, loop control, the second half of async pairs)
@@ -62,7 +72,9 @@ def computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
                 end += 1
             operands = re.findall(r"%([\w.\-]+)", rest[: end - 1])
             shapes = hlo_shapes(match.group(2))
-            found[current].append(Instruction(match.group(1), shapes, match.group(3), operands, rest[end:]))
+            found[current].append(
+                Instruction(match.group(1), shapes, match.group(3), operands, rest[end:])
+            )
     return found, entry
 
 
@@ -104,7 +116,9 @@ def compile_fault(fn, device, *shapes) -> str:
     line; "" where it can."""
     import jax
 
-    placed = [jax.ShapeDtypeStruct(*s, sharding=jax.sharding.SingleDeviceSharding(device)) for s in shapes]
+    placed = [
+        jax.ShapeDtypeStruct(*s, sharding=jax.sharding.SingleDeviceSharding(device)) for s in shapes
+    ]
     try:
         jax.jit(fn).lower(*placed).compile()
     except Exception as error:  # whatever a missing backend or a failing compiler raises
@@ -130,11 +144,15 @@ class Kernel(NamedTuple):
 
     name: str
     kind: str  # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
-    depth: int  # the scans of the traced program around it (JAX's name stack: each scan a while/body)
+    depth: (
+        int  # the scans of the traced program around it (JAX's name stack: each scan a while/body)
+    )
     runs: int  # times it runs per call: the trip counts of the loops around it
     bytes: int  # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
     macs: int  # multiply-accumulates per run (a gemm's dot; a Pallas kernel's declared flops / 2)
-    shapes: str  # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
+    shapes: (
+        str  # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
+    )
 
 
 class Roofline(NamedTuple):
@@ -148,7 +166,11 @@ class Roofline(NamedTuple):
     launch: float  # seconds a kernel costs beyond its work (launch and tail), an assumption
 
 
-ELEMENTWISE_VIEWS = ("convert", "bitcast", "copy")  # ops a fusion may apply before slicing a parameter
+ELEMENTWISE_VIEWS = (
+    "convert",
+    "bitcast",
+    "copy",
+)  # ops a fusion may apply before slicing a parameter
 
 
 def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
@@ -186,7 +208,9 @@ def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
     for dot in (x for x in body if x.opcode == "dot"):
         lhs, rhs = (named[o].shapes[0] for o in dot.operands[:2])
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes).group(1)
-        macs += math.prod(dot.shapes[0][1]) * math.prod(lhs[1][int(d)] for d in contracting.split(",") if d)
+        macs += math.prod(dot.shapes[0][1]) * math.prod(
+            lhs[1][int(d)] for d in contracting.split(",") if d
+        )
         shapes = f"{shape_text(lhs)} x {shape_text(rhs)} -> {shape_text(dot.shapes[0])}"
     return ("gemm" if macs else "fusion"), total, macs, shapes
 
@@ -217,7 +241,9 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
         for x in found[computation]:
             depth = scan_depth(x)
             if x.opcode == "while":
-                trips = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
+                trips = int(
+                    (re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1]
+                )
                 walk(called(x, "body"), runs * trips)
                 walk(called(x, "condition"), runs * trips)
             elif x.opcode == "call":
@@ -244,5 +270,6 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
 def modeled_seconds(kernels: list[Kernel], roofline: Roofline) -> float:
     """The cost model's time of one call of the program (Roofline)."""
     return sum(
-        k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch) for k in kernels
+        k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
+        for k in kernels
     )

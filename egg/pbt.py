@@ -1,18 +1,20 @@
-"""Population-based training over a run's replicas. A replica's settings are a NamedTuple (run.py's
-Replica: its seed, alpha, alpha_decay_timestep and sigma_shift); its arrays are index k of the
-replica axis. Every pbt_every generations the worst quarter by validation copies the best quarter's
-models and moves the copied settings one step each (explore)."""
+"""Replicas and population-based training over them. A replica's settings are a Replica: its seed
+and what PBT explores (alpha, alpha_decay_timestep, sigma_shift), each given per replica by
+--replica_NAME; its arrays are index k of the run's replica axis. Every pbt_every generations the
+worst quarter by validation copies the best quarter's models and moves the copied settings one
+step each (explore)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from egg import UserError
 from egg.flags import flag
 
 
@@ -36,7 +38,51 @@ class Flags:
 # time, else the copy keeps the winner's.
 PBT_FACTORS = (0.8, 1.25)
 SIGMA_STEPS = (-1, 0, 0, 1)
-EXPLORED = ("alpha", "alpha_decay_timestep", "sigma_shift")  # what a copy moves (its seed stays its own)
+EXPLORED = (
+    "alpha",
+    "alpha_decay_timestep",
+    "sigma_shift",
+)  # what a copy moves (its seed stays its own)
+PER_REPLICA = {name: f"replica_{name}" for name in EXPLORED}  # the flag that gives each replica one
+SETTING_FLAGS = ("seed", *EXPLORED, *PER_REPLICA.values())  # what a replica's settings come from
+
+
+class Replica(NamedTuple):
+    """One replica's own settings: its seed (--seed + its index, its own for the whole run) and
+    what --replica_NAME gives it and population-based training moves."""
+
+    seed: int
+    alpha: float
+    alpha_decay_timestep: int
+    sigma_shift: int
+
+
+def replicas(flags: Flags, seed: int, defaults: dict) -> list[Replica]:
+    """Each replica's settings: seed `seed` + its index, the rest its --replica_NAME value, else
+    the run's own (`defaults`, by name)."""
+    count = flags.replicas
+    given = {k: getattr(flags, flag) or (defaults[k],) * count for k, flag in PER_REPLICA.items()}
+    return [Replica(seed + r, *(given[k][r] for k in EXPLORED)) for r in range(count)]
+
+
+def single() -> dict:
+    """The flags of a run without replicas (and PBT)."""
+    return {"replicas": 1, "pbt_every": 0, **{flag: () for flag in PER_REPLICA.values()}}
+
+
+def check(flags: Flags) -> None:
+    """Refuse per-replica lists of another length than --replicas, and PBT with too few replicas."""
+    count = flags.replicas
+    for flag in PER_REPLICA.values():
+        given = len(getattr(flags, flag))
+        if given and given != count:
+            raise UserError(
+                f"--{flag} has {given} value(s): give one per replica (--replicas {count})"
+            )
+    if flags.pbt_every and count < 4:
+        raise UserError(
+            f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {count}"
+        )
 
 
 def explore(setting, rng: np.random.Generator, sigma_range: tuple[int, int]):
@@ -46,10 +92,14 @@ def explore(setting, rng: np.random.Generator, sigma_range: tuple[int, int]):
     alpha = min(alpha * f_alpha, 1.0) if alpha <= 1 else 1 + (alpha - 1) * f_alpha
     sigma_shift = int(np.clip(setting.sigma_shift + rng.choice(SIGMA_STEPS), *sigma_range))
     decay = max(1, round(setting.alpha_decay_timestep * f_decay))
-    return setting._replace(alpha=round(float(alpha), 4), alpha_decay_timestep=decay, sigma_shift=sigma_shift)
+    return setting._replace(
+        alpha=round(float(alpha), 4), alpha_decay_timestep=decay, sigma_shift=sigma_shift
+    )
 
 
-def pbt_step(scores: list[float], settings: list, seed: int, generation: int, sigma_range: tuple[int, int]):
+def pbt_step(
+    scores: list[float], settings: list, seed: int, generation: int, sigma_range: tuple[int, int]
+):
     """Exploit and explore: the worst quarter of the replicas by validation bits/byte (ties: the
     higher index is worse) each copies one of the best quarter (the worst the best, the second
     worst the second best, ...) and moves the copied settings (explore, from an RNG seeded by the
@@ -64,7 +114,9 @@ def pbt_step(scores: list[float], settings: list, seed: int, generation: int, si
         source[loser] = winner
         new[loser] = explore(settings[winner], rng, sigma_range)._replace(seed=settings[loser].seed)
         old = settings[loser]._asdict()
-        lineage.append({"replica": loser, "copied": winner, "old": old, "new": new[loser]._asdict()})
+        lineage.append(
+            {"replica": loser, "copied": winner, "old": old, "new": new[loser]._asdict()}
+        )
     return source, new, lineage
 
 
@@ -81,5 +133,10 @@ def settings_text(setting: dict) -> str:
 
 def describe_lineage(lineage: list[dict]) -> str:
     """'replica L copies W (old settings -> new settings); ...'"""
-    moves = [(x["replica"], x["copied"], settings_text(x["old"]), settings_text(x["new"])) for x in lineage]
-    return "; ".join(f"replica {loser} copies {winner} ({old} -> {new})" for loser, winner, old, new in moves)
+    moves = [
+        (x["replica"], x["copied"], settings_text(x["old"]), settings_text(x["new"]))
+        for x in lineage
+    ]
+    return "; ".join(
+        f"replica {loser} copies {winner} ({old} -> {new})" for loser, winner, old, new in moves
+    )

@@ -12,9 +12,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
-import jax
 import numpy as np
 import tyro
 
@@ -36,36 +35,27 @@ class Flags:
     """a tag for the W&B run, also appended to the run name"""
     runs_dir: str = "runs"
     """folder holding one output folder per run (metrics.jsonl, config.json)"""
-    run_name: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: built from the configuration)")] = ""
+    run_name: Annotated[
+        str, tyro.conf.arg(help_behavior_hint="(default: built from the configuration)")
+    ] = ""
     """name of the run and of its output folder"""
 
 
-def default_run_name(args) -> str:
-    """A run's name from its flags (run.Args): data, model, alpha, sigma_shift, rank, population x bytes
-    x noise reuse, seed, and upstream's algorithm and the tag where given."""
-    data = Path(args.corpus.data).name or "data"
-    name = (
-        f"{data}-{args.architecture.n_embd}D{args.architecture.n_layer}L-a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}-"
-        f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}-seed{args.seed}"
-    )
-    name += "-upstream" * (args.algorithm == "upstream")
-    return f"{name}-{args.tracking.tag}" if args.tracking.tag else name
+class Folders(NamedTuple):
+    """Where a run writes: its record (metrics.jsonl, config.json) and its checkpoints."""
+
+    run: Path  # <runs_dir>/<run_name>
+    checkpoints: Path  # --save_dir, by default <run>/checkpoints
+
+    def resume_target(self) -> Path:
+        """What --resume names to continue the run: its run folder, or its --save_dir if elsewhere."""
+        return self.run if self.checkpoints == self.run / "checkpoints" else self.checkpoints
 
 
-def run_folder(args) -> Path:
-    """<runs_dir>/<run_name>: the run's record (and by default its checkpoints)."""
-    return Path(args.tracking.runs_dir) / (args.tracking.run_name or default_run_name(args))
-
-
-def save_dir_of(args) -> Path:
-    """--save_dir, by default <runs_dir>/<run_name>/checkpoints."""
-    return Path(args.checkpointing.save_dir or run_folder(args) / "checkpoints")
-
-
-def resume_target(args) -> Path:
-    """What --resume names to continue this run: its run folder, or its --save_dir if elsewhere."""
-    folder, save_dir = run_folder(args), save_dir_of(args)
-    return folder if save_dir == folder / "checkpoints" else save_dir
+def folders(runs_dir: str, run_name: str, save_dir: str) -> Folders:
+    """A run's Folders: <runs_dir>/<run_name>, and --save_dir or by default its checkpoints folder."""
+    run = Path(runs_dir) / run_name
+    return Folders(run, Path(save_dir or run / "checkpoints"))
 
 
 def logged_before(line: str, generation: int) -> bool:
@@ -82,7 +72,9 @@ class RunRecord:
     what was logged after its checkpoint). Only the writer (process 0) records; the other processes'
     record is a no-op. `flags`: with --track, the W&B run's project, entity and tag."""
 
-    def __init__(self, folder: Path, config: dict, summary: dict, generation: int, writer=True, flags=None):
+    def __init__(
+        self, folder: Path, config: dict, summary: dict, generation: int, writer=True, flags=None
+    ):
         self.lines, self.wandb, self.samples = None, None, []
         if not writer:
             return
@@ -96,7 +88,9 @@ class RunRecord:
             path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
         self.lines = open(path, "a")
         if flags is not None and flags.track:
-            with tolerated("starting Weights & Biases", print, "the run records to metrics.jsonl alone"):
+            with tolerated(
+                "starting Weights & Biases", print, "the run records to metrics.jsonl alone"
+            ):
                 import wandb
 
                 tags = [flags.tag] if flags.tag else None
@@ -126,7 +120,10 @@ class RunRecord:
                 import wandb
 
                 self.samples.append([generation, metrics["samples/text"]])
-                metrics = {**metrics, "samples/text": wandb.Table(["generation", "text"], self.samples)}
+                metrics = {
+                    **metrics,
+                    "samples/text": wandb.Table(["generation", "text"], self.samples),
+                }
             # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
             metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
             self.wandb.log(metrics, step=generation)
@@ -150,9 +147,9 @@ def train_metrics(fitness: np.ndarray, moved: np.ndarray, alpha: float, bits, si
     }
 
 
-def replica_metrics(per_replica: list[dict], settings: list, summary: bool = True) -> dict:
+def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:
     """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
-    settings (a series of its own in W&B; `settings`: each replica's NamedTuple, its seed left out),
+    settings (a series of its own in W&B; `settings`: each replica's, by name, its seed left out),
     and with `summary` the best replica's bits/byte under the plain names (what sweeps and the
     progress bar read)."""
     if len(per_replica) == 1:
@@ -160,7 +157,7 @@ def replica_metrics(per_replica: list[dict], settings: list, summary: bool = Tru
     out = {}
     for k, (values, setting) in enumerate(zip(per_replica, settings, strict=True)):
         out.update({f"replica/{k}/{name}": v for name, v in values.items()})
-        out.update({f"replica/{k}/{name}": v for name, v in setting._asdict().items() if name != "seed"})
+        out.update({f"replica/{k}/{name}": v for name, v in setting.items() if name != "seed"})
     if summary:
         bits = [name for name in per_replica[0] if name.endswith("bits_per_byte")]
         out.update({name: min(x[name] for x in per_replica) for name in bits})
@@ -171,35 +168,25 @@ def describe_spread(scores: list[float]) -> str:
     """' (best of K replicas, median M, worst W)', or nothing for a single run."""
     if len(scores) == 1:
         return ""
-    return (
-        f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, worst {max(scores):.2f})"
-    )
-
-
-def describe_run(name: str, cfg, mesh, cpus: int, size: int, pairs: int, train: int, valid: int) -> str:
-    """A run's first line, said before its step compiles: the model (run.Config cfg, `size`
-    parameters), the devices, the update (`pairs` scored an update), the bytes (train, validation)."""
-    replicas = f"{cfg.replicas} replicas of " * (cfg.replicas > 1)
-    split = f" (one CPU split into {cpus})" if cpus > 1 else ""
-    steps = f", up to {cfg.max_step} steps a move" if cfg.max_step > 1 and cfg.optimizer != "ztest" else ""
-    return (
-        f"egg-jax {name}: {replicas}{size:,} int8 parameters, population {cfg.population} on {mesh.size} "
-        f"{mesh.devices.flat[0].platform} device(s){split} in {jax.process_count()} process(es), "
-        f"{cfg.segments} segment(s) a member ({pairs:,} pairs an update){steps}, {train:,} training bytes, "
-        f"{valid:,} validation bytes; compiling the generation step"
-    )
+    return f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, worst {max(scores):.2f})"
 
 
 def describe_end(scores: list[float], leader: int, setting: str, epochs: int) -> str:
     """A finished run's validation: the best replica's (`setting`: its settings, with replicas)."""
-    which = f" (replica {leader} of {len(scores)}, {setting}){describe_spread(scores)}" if setting else ""
+    which = (
+        f" (replica {leader} of {len(scores)}, {setting}){describe_spread(scores)}"
+        if setting
+        else ""
+    )
     return f"validation bits/byte {scores[leader]:.4f} after {epochs} generations{which}"
 
 
 def describe_validation(scores: list[float], leader: int) -> str:
     """The best replica's last validation, and with replicas which one and their median."""
     text = f"{scores[leader]:.3f}"
-    return text + (f" (replica {leader}, median {statistics.median(scores):.3f})" if len(scores) > 1 else "")
+    return text + (
+        f" (replica {leader}, median {statistics.median(scores):.3f})" if len(scores) > 1 else ""
+    )
 
 
 class Console:
@@ -213,7 +200,9 @@ class Console:
 
         self.log = tqdm.write if writer else (lambda *a, **k: None)  # above the bar, not inside it
         self.bar = None  # shown from the first generation on
-        self.new_bar = lambda: tqdm(total=total, initial=start, dynamic_ncols=True, disable=not writer)
+        self.new_bar = lambda: tqdm(
+            total=total, initial=start, dynamic_ncols=True, disable=not writer
+        )
         self.start, self.started, self.read, self.timed = start, started, started, []
         self.record = None  # the RunRecord, once opened
 
@@ -261,16 +250,15 @@ def tolerated(what: str, log, after: str = "training goes on"):
         log(f"warning: {what} failed ({type(error).__name__}: {error}); {after}")
 
 
-def where_it_went(args, stopped: bool) -> str:
-    """A run's last line (run.Args): its folder, its newest checkpoint and the commands that sample
-    from it and continue it (a finished run: to twice its generations)."""
-    folder, epochs = run_folder(args), args.num_epochs
-    saved = checkpoints_in(save_dir_of(args))
+def where_it_went(folders: Folders, epochs: int, stopped: bool) -> str:
+    """A run's last line: its folder, its newest checkpoint and the commands that sample from it and
+    continue it (a finished run of `epochs` generations: to twice as many)."""
+    saved = checkpoints_in(folders.checkpoints)
     if not saved:
-        return f"the run's record: {folder} (no checkpoint)"
+        return f"the run's record: {folders.run} (no checkpoint)"
     more = "" if stopped else f" --num_epochs {2 * epochs}"
-    resume = shlex.quote(str(resume_target(args)))
+    resume = shlex.quote(str(folders.resume_target()))
     return (
-        f"the run's record: {folder}; its newest checkpoint: {saved[-1]}; sample: python run.py --sample "
-        f"--resume {resume}; continue: python run.py --resume {resume}{more}"
+        f"the run's record: {folders.run}; its newest checkpoint: {saved[-1]}; sample: python run.py "
+        f"--sample --resume {resume}; continue: python run.py --resume {resume}{more}"
     )

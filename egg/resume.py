@@ -23,7 +23,7 @@ from egg.checkpoints import (
     load_checkpoint,
 )
 from egg.files import write_atomic
-from egg.flags import facts_of, value
+from egg.flags import translated
 
 
 def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> str:
@@ -36,17 +36,6 @@ def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> s
     return f"{len(data):,} bytes #{digest.hexdigest()[:12]}"
 
 
-def training_identity(args, population: int, max_step: int, data: np.ndarray) -> dict:
-    """Everything besides the generation counter that decides how a run trains: the flags whose
-    Facts say so (max_step as resolved), the total population (members per device x devices: the
-    device count alone changes nothing) and the training bytes. --num_epochs is not one: the alpha
-    schedule, the noise and the data position depend on the generation counter only, so a run may
-    be extended."""
-    identity = {name: value(args, name) for name, facts in facts_of(type(args)).items() if facts.training}
-    identity = {k: list(v) if isinstance(v, tuple) else v for k, v in identity.items()}  # as JSON has them
-    return {**identity, "max_step": max_step, "population": population, "data": data_fingerprint(data)}
-
-
 def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
     """Checkpoints to try, best first: --resume PATH (a run folder, a save_dir: its newest; or one
     checkpoint) or auto (the newest in save_dir, then older ones should it be unreadable). Newest
@@ -54,7 +43,10 @@ def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
     leaves LATEST one save behind, and that complete checkpoint must not be skipped."""
     if resume == "auto":
         return checkpoints_in(save_dir)[::-1]
-    path, give = Path(resume).expanduser(), "give a run folder, its checkpoints folder or one checkpoint"
+    path, give = (
+        Path(resume).expanduser(),
+        "give a run folder, its checkpoints folder or one checkpoint",
+    )
     if not path.exists():
         raise UserError(f"--resume {resume}: no such path; {give}")
     if not path.is_dir():
@@ -67,37 +59,16 @@ def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
     return [path]
 
 
-# what a run continued by --resume PATH takes from its own command line alone, not from the run's
-# flags: what to do now, and where and on how many processes it runs
-NOT_CARRIED = (
-    "resume",
-    "allow_changes",
-    "sample",
-    "platform",
-    "coord_addr",
-    "num_procs",
-    "proc_id",
-    "cpu_devices",
-)
-
-
-def run_flags(resume: str) -> dict:
-    """The flags --resume PATH continues with: its checkpoint's (meta.json's record of the run's
-    flags), but NOT_CARRIED, writing where the checkpoint lies: in its folder of checkpoints and,
-    where that is <runs_dir>/<run_name>/checkpoints, in that run folder. {} for no PATH ('', auto)
-    or an unreadable checkpoint (loading it says why)."""
+def recorded_flags(resume: str) -> tuple[dict, Path | None]:
+    """The flags a run continued by --resume PATH recorded (its checkpoint's meta.json), and that
+    checkpoint; ({}, None) for no PATH ('', auto) or an unreadable checkpoint (loading it says why)."""
     if resume in ("", "auto"):
-        return {}
+        return {}, None
     folder = find_checkpoints(resume, Path())[0]
     try:
-        flags = json.loads((folder / "meta.json").read_text())["args"]
+        return dict(json.loads((folder / "meta.json").read_text())["args"]), folder
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    where = {"save_dir": str(folder.parent)}
-    if folder.parent.name == "checkpoints":  # <runs_dir>/<run_name>/checkpoints: that run folder
-        run_folder = folder.parent.parent
-        where = {"runs_dir": str(run_folder.parent), "run_name": run_folder.name, "save_dir": ""}
-    return {k: v for k, v in flags.items() if k not in NOT_CARRIED} | where
+        return {}, None
 
 
 def set_aside(folder: Path) -> Path | None:
@@ -123,7 +94,9 @@ def check_format(meta: dict, folder: Path, identity: dict) -> None:
     if found == CHECKPOINT_FORMAT and not missing:
         return
     if found > CHECKPOINT_FORMAT:
-        raise UserError(f"--resume: {folder} is of format {found}, newer than this egg-jax's: update it")
+        raise UserError(
+            f"--resume: {folder} is of format {found}, newer than this egg-jax's: update it"
+        )
     lacks = f", which records no {', '.join('--' + k for k in missing[:3])}" if missing else ""
     raise UserError(
         f"--resume: {folder} was written by an older egg-jax (format {found}{lacks}); continue it with "
@@ -132,18 +105,24 @@ def check_format(meta: dict, folder: Path, identity: dict) -> None:
 
 
 class Sampled(NamedTuple):
-    """What --sample reads: a checkpoint, its model's flags, and which of its replicas."""
+    """What --sample reads: a checkpoint, its run's flags, and which of its replicas."""
 
     folder: Path
-    shape: dict  # the model's flags: n_embd, n_layer, mlp_relu
+    flags: dict  # the run's flags, as its meta.json records them
     replicas: int  # the replicas it holds
     chosen: int  # the one sampled
     setting: dict | None  # its settings, where it holds several
 
 
-def sampled(resume: str, save_dir: Path, which: int) -> Sampled:
+def replicas_held(meta: dict) -> int:
+    """The replicas a checkpoint holds (checkpoints.py's meta.json: their settings where several)."""
+    return 1 if "replica" in meta else len(meta.get("replica_settings") or [None])
+
+
+def sampled(resume: str, save_dir: Path, which: int, needs: tuple[str, ...]) -> Sampled:
     """The checkpoint --sample --resume reads and the replica of it `which` names (-1: the best by
-    its last validation), refused in one line where there is none."""
+    its last validation), refused in one line where there is none or where it does not record the
+    settings `needs` names (the model's shape)."""
     if not resume:
         raise UserError(
             "--sample needs --resume PATH: a run folder, its checkpoints folder or one checkpoint"
@@ -156,29 +135,46 @@ def sampled(resume: str, save_dir: Path, which: int) -> Sampled:
         flags = meta["args"]
     except (OSError, ValueError, KeyError):
         raise UnreadableCheckpoint(found[0], "no meta.json with the run's flags") from None
-    shape = ("n_embd", "n_layer", "mlp_relu")
-    check_format(meta, found[0], dict.fromkeys(shape))
-    replicas = 1 if "replica" in meta else flags.get("replicas", 1)  # a best-* folder holds one
+    check_format(meta, found[0], dict.fromkeys(needs))
+    replicas = replicas_held(meta)
     if replicas == 1:
-        return Sampled(found[0], {k: flags[k] for k in shape}, 1, 0, None)
+        return Sampled(found[0], flags, 1, 0, None)
     chosen = meta.get("best_replica", 0) if which < 0 else which
     if chosen >= replicas:
         raise UserError(f"--sample_replica {chosen}: {found[0]} holds replicas 0 to {replicas - 1}")
-    return Sampled(found[0], {k: flags[k] for k in shape}, replicas, chosen, meta["replica_settings"][chosen])
+    return Sampled(found[0], flags, replicas, chosen, meta["replica_settings"][chosen])
 
 
-def training_changes(meta: dict, identity: dict, acts) -> dict[str, tuple]:
+def acts(settings: dict, name: str, conditions: dict) -> bool:
+    """Whether a setting acts in these settings: conditions {name: (the setting it depends on, the
+    values under which it acts)}; one without a condition always acts."""
+    condition = conditions.get(name)
+    return condition is None or settings.get(condition[0]) in condition[1]
+
+
+def training_changes(old: dict, identity: dict, conditions: dict) -> dict[str, tuple]:
     """{setting: (the checkpoint's value, this run's)} for every setting that differs and acts in
-    both (acts(settings, name); where a flag acts in one only, the flag deciding that differs, and
-    is listed)."""
-    old = meta["training"]
-    both = [k for k in identity if acts(old, k) and acts(identity, k)]
+    both (where one acts in one only, the setting deciding that differs, and is listed)."""
+    both = [k for k in identity if acts(old, k, conditions) and acts(identity, k, conditions)]
     return {k: (old[k], identity[k]) for k in both if old[k] != identity[k]}
 
 
 def describe_changes(changes: dict[str, tuple]) -> str:
     names = {"population": "population", "data": "training data"}
-    return ", ".join(f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items())
+    return ", ".join(
+        f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items()
+    )
+
+
+class Wanted(NamedTuple):
+    """What a run reads from a checkpoint and holds it against (run.py gives each)."""
+
+    expected: Expected  # its arrays' shapes and dtypes
+    identity: dict  # every setting its training depends on (meta.json's "training")
+    conditions: dict  # {setting: (the setting it depends on, values under which it acts)}
+    aliases: dict  # {an older name: (today's name, {its value: today's})}
+    retired: dict  # {setting: a value whose code is gone}: a checkpoint trained with one is refused
+    retired_after: str  # the last commit that has their code
 
 
 class Found(NamedTuple):
@@ -186,19 +182,17 @@ class Found(NamedTuple):
 
     params: dict
     states: np.ndarray | None  # None: another population layout, the states restart
-    opt: dict | None  # None: no state of this run's update rule, it starts afresh
+    rule_state: dict | None  # None: no state of this run's update rule, it starts afresh
     meta: dict
     folder: Path
     changes: dict  # training changes accepted with --allow_changes (empty otherwise)
 
 
-def continue_from(
-    how: str, save_dir: Path, expected: Expected, identity: dict, acts, allow_changes: bool, writer: bool
-):
+def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool, writer: bool):
     """The checkpoint to continue from (--resume `how`: a path, or auto), a Found, or None for a
     fresh run: a fresh run is refused where save_dir holds checkpoints; a checkpoint of another
-    format, or trained with other settings (identity; acts(settings, name) says where a flag acts),
-    unless allow_changes. Reads only, except that the writer sets aside a checkpoint that auto found
+    format, of a variant whose code is gone, or trained with other settings (unless
+    allow_changes). Reads only, except that the writer sets aside a checkpoint that auto found
     unreadable and points LATEST at the one used."""
     if not how:
         if checkpoints_in(save_dir) or (save_dir / "LATEST").exists():
@@ -210,27 +204,39 @@ def continue_from(
     candidates = find_checkpoints(how, save_dir)
     for i, folder in enumerate(candidates):
         try:
-            params, states, opt, meta = load_checkpoint(folder, expected)
+            loaded = load_checkpoint(folder, wanted.expected)
         except UnreadableCheckpoint as error:
             if how != "auto" or i == len(candidates) - 1:
                 raise
             aside = set_aside(folder) if writer else None
             moved = f"; set aside as {aside.name}" if aside else ""
-            print(f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one")
+            print(
+                f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one"
+            )
             continue
-        check_format(meta, folder, identity)
-        changes = training_changes(meta, identity, acts)
+        meta = {
+            **loaded.meta,
+            "training": translated(loaded.meta.get("training") or {}, wanted.aliases),
+        }
+        for name, value in wanted.retired.items():
+            if meta["training"].get(name) == value:
+                raise UserError(
+                    f"--resume: {folder} was trained with --{name} {value}, tried and not adopted; "
+                    f"continue it with the code of commit {wanted.retired_after}, the last that has it"
+                )
+        check_format(meta, folder, wanted.identity)
+        changes = training_changes(meta["training"], wanted.identity, wanted.conditions)
         if changes and not allow_changes:
             raise UserError(
                 f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
                 "give the checkpoint's values, or --allow_changes to continue with these"
             )
-        if states is None:
+        if loaded.states is None:
             print(
                 f"warning: {folder} was trained with another population layout: hidden states restart at zero"
             )
-        if opt is None:
-            print(f"warning: {folder} holds no --optimizer {identity['optimizer']} state: it starts afresh")
+        if loaded.rule_state is None:
+            print(f"warning: {folder} holds no state of this run's update rule: it starts afresh")
         later = [c for c in checkpoints_in(save_dir) if c.name > folder.name]
         if how != "auto" and later and folder.parent.resolve() == save_dir.resolve():
             raise UserError(
@@ -240,6 +246,6 @@ def continue_from(
             )
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())
-        return Found(params, states, opt, meta, folder, changes)
+        return Found(loaded.params, loaded.states, loaded.rule_state, meta, folder, changes)
     print(f"--resume auto: no checkpoint in {save_dir} yet, starting a new run")
     return None

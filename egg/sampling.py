@@ -13,12 +13,10 @@ import numpy as np
 
 from egg.flags import flag
 
-BYTES = 256
-
 
 @dataclass(frozen=True)
 class Flags:
-    sample: bool = False
+    sample: Annotated[bool, *flag(carried=False)] = False
     """generate text from the checkpoint given by --resume instead of training"""
     prompt: str = "The "
     """text the samples continue"""
@@ -42,7 +40,7 @@ def probabilities(bits, generated, temperature: float, min_p: float, penalty: fl
     below min_p times the most likely one dropped. Temperature 0 is greedy decoding."""
     bits = np.asarray(bits, np.float64) - penalty * np.asarray(generated, np.float64)
     if temperature <= 0:
-        return (np.arange(BYTES) == np.argmax(bits)).astype(np.float64)
+        return (np.arange(len(bits)) == np.argmax(bits)).astype(np.float64)
     weights = np.exp2((bits - bits.max()) / temperature)
     weights[weights < min_p] = 0.0  # the most likely byte has weight exactly 1
     return weights / weights.sum()
@@ -50,13 +48,15 @@ def probabilities(bits, generated, temperature: float, min_p: float, penalty: fl
 
 def continuation(read, prompt: bytes, flags: Flags, seed: int) -> bytes:
     """flags.max_new_bytes bytes continuing `prompt`, drawn with a generator seeded by `seed`:
-    read(data) gives the next byte's log2-probabilities (BYTES,) in bits once the model (which
-    keeps its own state) has read these bytes."""
+    read(data) gives the next byte's log2-probabilities in bits once the model (which
+    keeps its own state) has read these bytes: one value for each of the bytes."""
     rng, bits = np.random.default_rng(seed), read(prompt)
-    generated, out = np.zeros(BYTES, bool), bytearray()
+    generated, out = np.zeros(len(bits), bool), bytearray()
     for _ in range(flags.max_new_bytes):
-        chances = probabilities(bits, generated, flags.temperature, flags.min_p, flags.presence_penalty)
-        byte = int(rng.choice(BYTES, p=chances))
+        chances = probabilities(
+            bits, generated, flags.temperature, flags.min_p, flags.presence_penalty
+        )
+        byte = int(rng.choice(len(bits), p=chances))
         out.append(byte)
         generated[byte] = True
         bits = read(bytes([byte]))
@@ -76,4 +76,6 @@ def printable(data: bytes) -> str:
     """Bytes as text a terminal shows as it is: UTF-8 decoded; undecodable bytes and control
     characters (ESC, BEL, CR, byte 0...) but newline and tab as escapes, \\xNN (\\u00NN above 127)."""
     text = data.decode("utf-8", errors="backslashreplace")
-    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 128 else f"\\u{ord(m[0]):04x}", text)
+    return CONTROL.sub(
+        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 128 else f"\\u{ord(m[0]):04x}", text
+    )

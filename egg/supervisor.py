@@ -19,9 +19,11 @@ from pathlib import Path
 from egg.checkpoints import checkpoints_in
 from egg.cluster import SUPERVISED
 from egg.files import write_atomic
-from egg.record import resume_target, run_folder, save_dir_of
+from egg.record import Folders
 
-EXIT_PROCESS_LOST = 75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
+EXIT_PROCESS_LOST = (
+    75  # EX_TEMPFAIL: a process of the run was lost; resuming (--resume auto) will do
+)
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process receives when its parent ends
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
@@ -45,7 +47,9 @@ def supervised() -> bool:
 def lost_processes(log: str) -> str:
     """The processes JAX's log names as lost: 'Task N heartbeat timeout', the unhealthy tasks'
     list, or the coordinator itself when it is the one that stopped answering."""
-    named = re.findall(r"Task (\d+) heartbeat timeout", log) + re.findall(r"heartbeats\):\s*(\d+)", log)
+    named = re.findall(r"Task (\d+) heartbeat timeout", log) + re.findall(
+        r"heartbeats\):\s*(\d+)", log
+    )
     if named:
         return "process " + ", ".join(map(str, sorted({int(n) for n in named})))
     return "process 0, the coordinator," if "coordination service" in log else "a process"
@@ -60,7 +64,9 @@ def relay_stderr(child) -> list[str]:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             text = line.decode(errors="replace")
-            jax_error = GLOG_LINE.match(text) and text[0] in "EF" and re.search("coordinat|heartbeat", text)
+            jax_error = (
+                GLOG_LINE.match(text) and text[0] in "EF" and re.search("coordinat|heartbeat", text)
+            )
             if held or jax_error:
                 held.append(text)
             else:
@@ -75,44 +81,53 @@ def relay_stderr(child) -> list[str]:
     return held
 
 
-def resume_command(script: Path, argv: list[str], args) -> str:
+def resume_command(script: Path, argv: list[str], folders: Folders) -> str:
     """The command that resumes: argv with --resume and its value replaced by the run's own
-    (record.resume_target), whose newest checkpoint it continues with the run's flags (argv's
+    (Folders.resume_target), whose newest checkpoint it continues with the run's flags (argv's
     override them); argv itself where no checkpoint is saved yet."""
-    if not checkpoints_in(save_dir_of(args)):
+    if not checkpoints_in(folders.checkpoints):
         return shlex.join(["python", script.name, *argv])
     flags, skip = [], False
     for word in argv:
         if not skip and not word.startswith("--resume"):
             flags.append(word)
         skip = word in ("--resume", "--resume_")
-    return shlex.join(["python", script.name, *flags, "--resume", str(resume_target(args))])
+    return shlex.join(["python", script.name, *flags, "--resume", str(folders.resume_target())])
 
 
-def report_lost_process(script: Path, argv: list[str], log: str, args) -> None:
-    """The supervisor's one line (run.Args `args`): what JAX says was lost, where its log went, the
-    newest complete checkpoint and the command that resumes."""
-    folder, save_dir = run_folder(args), save_dir_of(args)
-    process = os.environ.get("SLURM_PROCID", args.hosts.proc_id)  # under SLURM --proc_id is not given
+def report_lost_process(script: Path, argv: list[str], log: str, folders: Folders, process: int):
+    """The supervisor's one line: what JAX says was lost, where its log went, the newest complete
+    checkpoint and the command that resumes. `process`: this process's index, as given."""
+    folder, save_dir = folders.run, folders.checkpoints
+    process = os.environ.get("SLURM_PROCID", process)  # under SLURM it is not given
     record = (folder if folder.is_dir() else Path(".")) / f"process-{process}-lost.log"
     write_atomic(record, log.encode())
     saved = checkpoints_in(save_dir)
-    newest = f"the newest complete checkpoint is {saved[-1]}" if saved else f"no checkpoint in {save_dir} yet"
+    newest = (
+        f"the newest complete checkpoint is {saved[-1]}"
+        if saved
+        else f"no checkpoint in {save_dir} yet"
+    )
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     print(
         f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
-        f"{newest}; resume with: {resume_command(script, argv, args)}",
+        f"{newest}; resume with: {resume_command(script, argv, folders)}",
         file=sys.stderr,
     )
 
 
-def supervise(script: Path, argv: list[str], args) -> int:
-    """Run `script` with argv (parsed: run.Args `args`) as a child and stand by; return the exit
-    code. The child's output, exit code and the stop signals this process is sent pass through, and
+def supervise(script: Path, argv: list[str], folders: Folders, process: int) -> int:
+    """Run `script` with argv as a child and stand by; return the exit code (`folders`: where the
+    run writes; `process`: its index, as given). The child's output, exit code and the stop signals this process is sent pass through, and
     the child dies with it; JAX's account of a lost process is kept in <run folder>/process-N-lost.log
     and said in one line (EXIT_PROCESS_LOST)."""
-    env, command = {**os.environ, SUPERVISED: str(os.getpid())}, [sys.executable, str(script), *argv]
-    child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)  # it binds itself: supervised()
+    env, command = (
+        {**os.environ, SUPERVISED: str(os.getpid())},
+        [sys.executable, str(script), *argv],
+    )
+    child = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE
+    )  # it binds itself: supervised()
     for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     log = "\n".join(relay_stderr(child))
@@ -120,5 +135,5 @@ def supervise(script: Path, argv: list[str], args) -> int:
     if JAX_TERMINATES not in log:
         sys.stderr.write(log + ("\n" if log else ""))
         return 128 - code if code < 0 else code
-    report_lost_process(script, argv, log, args)
+    report_lost_process(script, argv, log, folders, process)
     return EXIT_PROCESS_LOST

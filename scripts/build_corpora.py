@@ -193,14 +193,14 @@ def english() -> tuple[dict[str, bytes], str]:
 
 def python() -> tuple[dict[str, bytes], str]:
     sys.path.insert(0, str(ROOT))
-    from egg import corpora  # its two functions define --data stdlib's bytes
+    from egg import corpus  # its two functions define --data stdlib's bytes
 
-    data = join_documents(f.read_bytes() for f in corpora.corpus_files(corpora.stdlib_folder(), ".py"))
+    data = join_documents(f.read_bytes() for f in corpus.corpus_files(corpus.stdlib_folder(), ".py"))
     # run.py's split of --data stdlib (open_data): the last max(2 * batch, 1%) bytes are validation
     held_out = max(2 * STDLIB_VALIDATION_BATCH, int(len(data) * STDLIB_VALID_FRACTION))
     version = ".".join(map(str, sys.version_info[:3]))
     expected = ".".join(map(str, PYTHON_VERSION))
-    blame = f"this Python's standard library ({version}, {corpora.stdlib_folder()}) is not {expected}'s"
+    blame = f"this Python's standard library ({version}, {corpus.stdlib_folder()}) is not {expected}'s"
     if sys.version_info[:3] != PYTHON_VERSION:
         blame = f"the hashes are Python {expected}'s standard library, and this is Python {version}"
     return {"python_train.bin": data[:-held_out], "python_valid.bin": data[-held_out:]}, blame

@@ -117,8 +117,8 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
     args = compare.CompareArgs(
         variants=(
             "es=",
-            "gru=@backprop --model mingru --batch_size 4 --window 16",
-            "tf=@backprop --model transformer --batch_size 4 --window 16 --num_epochs 6",  # its own length
+            "gru=@backprop --network mingru --batch_size 4 --window 16",
+            "tf=@backprop --network transformer --batch_size 4 --window 16 --num_epochs 6",  # its own length
         ),
         data=(str(corpus),),
         seeds=(0, 1),

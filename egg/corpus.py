@@ -33,13 +33,15 @@ VALID_HINT = "(default: minipile's validation split, else the last --valid_fract
 class Flags:
     data: str = "minipile"
     """training bytes: 'minipile', 'stdlib' (Python's own sources, offline), a file or a folder"""
-    valid_data: Annotated[str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)] = None
+    valid_data: Annotated[
+        str | None, tyro.conf.arg(metavar="PATH", help_behavior_hint=VALID_HINT)
+    ] = None
     """a separate validation file or folder"""
     valid_fraction: Annotated[float, *flag("(0, 0.5)")] = 0.01
     """share of --data held out for validation when --valid_data is not given"""
-    dir_path: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: cached_files/ beside run.py)")] = (
-        str(BESIDE_RUN)
-    )
+    dir_path: Annotated[
+        str, tyro.conf.arg(help_behavior_hint="(default: cached_files/ beside run.py)")
+    ] = str(BESIDE_RUN)
     """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
 
 
@@ -54,7 +56,9 @@ def corpus_files(folder: Path, suffix: str = "") -> list[Path]:
     files = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
-        files += [Path(root) / f for f in sorted(names) if f.endswith(suffix) and not f.startswith(".")]
+        files += [
+            Path(root) / f for f in sorted(names) if f.endswith(suffix) and not f.startswith(".")
+        ]
     return [f for f in files if f.is_file()]
 
 
@@ -148,7 +152,9 @@ def load_corpus(spec: str, cache_dir: str, flag: str = "--data") -> np.ndarray:
     else:
         source = Path(spec).expanduser()
         if not source.exists():
-            raise UserError(f"{flag} {spec}: no such path; give a file, a folder, 'stdlib' or 'minipile'")
+            raise UserError(
+                f"{flag} {spec}: no such path; give a file, a folder, 'stdlib' or 'minipile'"
+            )
         if source.is_dir():
             files = [f for f in corpus_files(source) if f.stat().st_size]
             if not files:

@@ -1,0 +1,239 @@
+"""The GPU product kernel: on a GPU each of a layer's int8 products is one Pallas (Triton) kernel
+that reads its int8 operands once and writes int8: the shared GEMM x W^T, each member's rank-1
+noise term, the rescale to int8 and, where the model has them, the layer norm before it and the
+residual add after it, all in registers (XLA leaves the int32 GEMM output to a second kernel,
+which reads it back).
+
+The kernel only tiles the work: what a product computes is its caller's (run.py), given as an
+Arithmetic of integer functions, so that the kernel and XLA's products compute the very same
+integers (the tests compare them bit for bit, the kernel in Pallas's interpreter on the CPU).
+
+Its operands are views of the caller's arrays, never copies: the members as rows of pairs
+(K, Q, S n), side s of pair q in the columns [s n, (s + 1) n); block parameters and states whole
+(L, ...), the layer read inside the kernel (a slice taken outside would be a copy); matrices that
+read the same input stacked on a leading axis G. Axes: K replicas, Q pairs (repeats x distinct),
+D distinct pairs, S sides, L layers, G stacked matrices, m outputs, n inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+i32 = jnp.int32
+TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
+# at least 32 inputs deep: 16 deep, the kernel as JAX 0.11.2's Triton compiled it for an H200
+# summed every product about twice (docs/gpu.org); the interpreter, which the tests run, cannot
+# show it
+TILE_DEPTH_MIN = 32
+
+
+class Arithmetic(NamedTuple):
+    """What a product computes, given by the caller; each takes and returns int32 or int8 arrays."""
+
+    rescale: Callable  # (acc (rows, m) int32, n) -> int8: x W^T and the noise term, to int8
+    norm_scale: Callable  # (sum |x| (rows,) int32, n) -> (rows,) int32: a layer norm's multiplier
+    normalise: (
+        Callable  # (x int8, gain int8, scale (rows, 1) int32) -> the layer norm's int8 output
+    )
+    noise_term: (
+        Callable  # (x B (rows, 1) int32, A (rows, m, 1) int8, sign, shift) -> (rows, m) int32
+    )
+    add: Callable  # (int8, int8) -> int8: the saturating residual add
+
+
+def takes(pairs: int, distinct: int, m: int, n: int) -> bool:
+    """Whether the kernel takes a product of these shapes: tiles of powers of two >= 16 (Triton's
+    int8 dots), at least TILE_DEPTH_MIN inputs deep, whole tiles of pairs within the distinct
+    ones."""
+    shaped = all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) and n >= TILE_DEPTH_MIN
+    return shaped and distinct % 16 == 0 and pairs % distinct == 0
+
+
+def tile_program(
+    *refs,
+    noisy: bool,
+    gained: bool,
+    added: bool,
+    x_layered: bool,
+    tile: tuple,
+    arithmetic: Arithmetic,
+):
+    """One program of product()'s grid: the refs of its operands' blocks (specs) and its output's
+    block; noisy: with rank-1 factors; gained: with a layer norm's gain; added: with a residual;
+    tile (rows, columns, depth, n)."""
+    from jax.experimental import pallas as pl
+
+    rows, columns, depth, n = tile
+    refs = list(refs)
+    layer_ref, x_ref, w_ref, out_ref = refs[0], refs[1], refs[2], refs[-1]
+    a_ref, b_ref, shift_ref = refs[3:6] if noisy else (None, None, None)
+    extra = refs[6 if noisy else 3 : -1]
+    gain_ref = extra.pop(0) if gained else None
+    residual_ref = extra.pop(0) if added else None
+    at = layer_ref[0]
+    x_at = at if x_layered else 0
+    sign = 1 - 2 * pl.program_id(4)
+
+    def columns_of(k):
+        return pl.ds(k * depth, depth)
+
+    if gained:  # the layer norm's per-row multiplier, from sum |x| over the whole row
+
+        def absolute(k, total):
+            return total + jnp.sum(jnp.abs(x_ref[x_at, 0, :, columns_of(k)].astype(i32)), 1)
+
+        total = jax.lax.fori_loop(0, n // depth, absolute, jnp.zeros((rows,), i32))
+        scale = arithmetic.norm_scale(total, n)[:, None]
+
+    def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed where there is a gain
+        chunk = x_ref[x_at, 0, :, columns_of(k)]
+        if not gained:
+            return chunk
+        return arithmetic.normalise(chunk, gain_ref[at, 0, :, columns_of(k)], scale)
+
+    def accumulate(k, carry):
+        acc, xb = carry
+        chunk = inputs(k)
+        weights = w_ref[0, at, 0, :, columns_of(k)]
+        contract = (((1,), (1,)), ((), ()))
+        acc = acc + jax.lax.dot_general(chunk, weights, contract, preferred_element_type=i32)
+        if noisy:
+            factors = b_ref[0, at, 0, :, columns_of(k)].astype(i32)
+            xb = xb + jnp.sum(chunk.astype(i32) * factors, 1)
+        return acc, xb
+
+    zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
+    acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
+    if noisy:  # this side's rank-1 term
+        acc = acc + arithmetic.noise_term(
+            xb[:, None], a_ref[0, at, 0][..., None], sign, shift_ref[0]
+        )
+    out = arithmetic.rescale(acc, n)
+    out_ref[0, 0] = out if not added else arithmetic.add(out, residual_ref[0])
+
+
+def specs(x, w, a, b, shifts, layer, gain, residual, tile: tuple[int, int, int]):
+    """product()'s operands and the block of each that a program of its grid (replica k, matrix g,
+    pair tile i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n
+    inputs."""
+    from jax.experimental import pallas as pl
+
+    rows, columns, n = tile
+    layers_x, layers = x.shape[0], w.shape[1]
+    pair_tiles = (a.shape[3] if a is not None else x.shape[2]) // rows
+    column_tiles = w.shape[3] // columns
+
+    def pair(i):
+        return i % pair_tiles
+
+    spec = pl.BlockSpec
+    in_specs = [
+        spec((1,), lambda k, g, i, j, s: (0,)),
+        spec((layers_x, 1, rows, n), lambda k, g, i, j, s: (0, k, i, s)),
+        spec((1, layers, 1, columns, n), lambda k, g, i, j, s: (g, 0, k, j, 0)),
+    ]
+    operands = [jnp.reshape(layer, (1,)).astype(i32), x, w]
+    if a is not None:
+        in_specs += [
+            spec((1, layers, 1, rows, columns), lambda k, g, i, j, s: (g, 0, k, pair(i), j)),
+            spec((1, layers, 1, rows, n), lambda k, g, i, j, s: (g, 0, k, pair(i), 0)),
+            spec((1,), lambda k, g, i, j, s: (k,)),
+        ]
+        operands += [a, b, shifts]
+    if gain is not None and gain.shape[2] == 1:  # noise-free: one gain for every row
+        in_specs.append(spec((layers, 1, 1, n), lambda k, g, i, j, s: (0, k, 0, 0)))
+        operands.append(gain)
+    elif gain is not None:
+        in_specs.append(spec((layers, 1, rows, n), lambda k, g, i, j, s: (0, k, pair(i), s)))
+        operands.append(gain)
+    if residual is not None:
+        place = lambda k, g, i, j, s: (k, i, s * column_tiles + j)  # noqa: E731
+        in_specs.append(spec((1, rows, columns), place))
+        operands.append(residual)
+    return in_specs, operands
+
+
+def cost(x, w, a, b, gain, residual, out):
+    """The cost one product() call declares (Pallas's CostEstimate: 2 operations a MAC): the bytes
+    of one layer of each stacked operand (the call reads only `layer`'s), the residual and the
+    output whole."""
+    from jax.experimental import pallas as pl
+
+    layers_x, layers = x.shape[0], w.shape[1]
+    stacked = sum(o.nbytes // layers for o in (w, a, b, gain) if o is not None)  # one layer of each
+    outputs = math.prod(out.shape)  # int8, written whole, as the residual is read whole
+    residual_bytes = residual.nbytes if residual is not None else 0
+    moved = x.nbytes // layers_x + stacked + residual_bytes + outputs
+    macs = outputs * w.shape[-1]
+    return pl.CostEstimate(flops=2 * macs, transcendentals=0, bytes_accessed=moved)
+
+
+def product(
+    x, w, a, b, shifts, layer, gain, residual, *, x_layered: bool, interpret: bool, arithmetic
+):
+    """Every member's int8 product with G matrices: out[g] = rescale(x' W_g^T + noise term), x' the
+    layer norm of x (with a gain) or x, plus the residual (with one), each as `arithmetic` says.
+
+    x (Lx, K, Q, S n) int8 (Lx = L with x_layered: the states, read at `layer`); w (G, L, K, m, n);
+    a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
+    (K,) int32, each replica's sigma_shift; layer () int32; gain (L, K, D, S n), (L, K, 1, n)
+    (every row's) or None; residual (K, Q, S m) or None. Returns (G, K, Q, S m). A program
+    (tile_program) computes a tile of pairs and outputs of one side of one matrix."""
+    from jax.experimental import pallas as pl
+
+    _, replicas, pairs, _ = x.shape
+    groups, _, _, m, n = w.shape
+    sides = x.shape[3] // n
+    noisy = a is not None
+    distinct = a.shape[3] if noisy else pairs
+    rows, columns, depth = (
+        max(t for t in (16, 32, 64) if t <= cap and d % t == 0)
+        for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
+    )
+    column_tiles = m // columns
+    kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
+    program = partial(
+        tile_program,
+        **kinds,
+        x_layered=x_layered,
+        tile=(rows, columns, depth, n),
+        arithmetic=arithmetic,
+    )
+    in_specs, operands = specs(x, w, a, b, shifts, layer, gain, residual, (rows, columns, n))
+    out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
+    compiler = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pallas_triton
+
+        compiler = pallas_triton.CompilerParams(num_warps=4, num_stages=2)
+    place = lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)  # noqa: E731
+    return pl.pallas_call(
+        program,
+        out_shape=out,
+        grid=(replicas, groups, pairs // rows, column_tiles, sides),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((1, 1, rows, columns), place),
+        interpret=interpret,
+        compiler_params=compiler,
+        cost_estimate=cost(x, w, a, b, gain, residual, out),
+    )(*operands)
+
+
+def fault(device, arithmetic: Arithmetic) -> str:
+    """Why the kernel cannot run on this GPU under this JAX ("" where it can), from one tile's
+    program compiled (Pallas's Triton backend, which it uses, is deprecated since JAX 0.11)."""
+    from egg.hlo import compile_fault
+
+    def one_tile(x, w):
+        options = dict(x_layered=False, interpret=False, arithmetic=arithmetic)
+        return product(x, w, None, None, None, 0, None, None, **options)
+
+    shapes = (((1, 1, 16, 16), jnp.int8), ((1, 1, 1, 16, 16), jnp.int8))
+    found = compile_fault(one_tile, device, *shapes)
+    return found and f"the GPU product kernel cannot run under JAX {jax.__version__} ({found})"
