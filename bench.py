@@ -99,17 +99,39 @@ def time_generation(kind: Kind, generation: int) -> float:
     return kind.seconds[-1]
 
 
-def prepare_kind(label: str, args: Args, part: str, mesh, rng, notes: list, check_room=False) -> Kind | None:
+def make_step(cfg: run.Config, mesh, part: str):
+    """The jitted program of one kind of generation, with run.py's step's arguments and results:
+    "train" (run.py's generation step), "fitness" (its population fitness alone) or "inference"
+    (the same members and bytes, noise-free)."""
+    if part == "train":
+        return run.make_generation_step(cfg, mesh)
+
+    def local(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts):
+        start, tokens = run.device_members(cfg, batch)
+        if part == "fitness":
+            noise_of = run.noise_sources(cfg, seeds, generation, start)[0]
+        else:
+            noise_of = lambda segment: None  # noqa: E731
+        fitness, states = run.population_fitness(cfg, params, noise_of, states, tokens, sigma_shifts)
+        return params, rule_state, states, jnp.sum(fitness, axis=0), jnp.zeros((), jnp.int32)
+
+    return run.on_population(local, mesh)
+
+
+def prepare_kind(
+    label: str, args: Args, part: str, mesh, rng, notes: list, check_room=False
+) -> Kind | None:
     """Compile one kind ahead of time and run its first generation. With `check_room`: None (and a
     note) where its temporaries would not fit in the memory left (cluster.memory_left; full-rank ES
     at the default model: every device builds all of its noise)."""
     cfg = run.mesh_config(args, mesh)
     replicas = run.replicas_of(args)
-    carry = run.on_mesh(run.init_run(cfg, replicas), mesh)
+    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
     batch = rng.integers(0, 256, (cfg.population // cfg.group_size, cfg.tokens + 1), dtype=np.uint8)
     batch = cluster.global_array(batch, mesh, run.REPLICATED)
     inputs = run.replica_inputs(cfg, replicas, 0)
-    compiled = run.compile_generation(cfg, mesh, part, carry, batch, inputs)
+    step = make_step(cfg, mesh, part)
+    compiled = hlo.compile_now(step.lower(*carry, batch, np.int32(0), *inputs))
     left, sharing = cluster.memory_left(mesh) if check_room else (math.inf, 1)
     if (need := compiled.temporaries * 2**20 * sharing) > left:
         notes.append(
@@ -128,7 +150,7 @@ def full_rank_cost(args: Args, cfg: run.Config, mesh, rng, notes: list) -> tuple
     """Seconds one full-rank ES generation is estimated to take at cfg's population, from two short
     runs (FULL_RANK_PROBES) and the growth measured between them; and {population: seconds}."""
     probed = {}
-    unit = 2 * max(args.hosts.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
+    unit = 2 * max(args.cluster.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
     probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
     for members in sorted(probes):
         changes = dict(rank=0, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0)
@@ -168,13 +190,13 @@ def print_table(args: Args, kinds: list[Kind], rounds: int, mesh) -> dict[str, f
     """The benchmark's table; returns the tokens/s of each kind timed, by letter."""
     device, memory_kind = jax.devices()[0], cluster.peak_memory()[1]
     cfg = kinds[0].cfg
-    shape = f"{args.architecture.n_embd}D-{args.architecture.n_layer}L"
+    shape = f"{args.model.n_embd}D-{args.model.n_layer}L"
     model = f"model {shape} ({run.num_parameters(cfg):,} parameters)"
     members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
     members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
     turns = [k.label[0] for k in kinds if not k.label.startswith("d")]
     timed = f"median of {rounds} generations each ({', '.join(turns)} taking turns)"
-    cpus = args.hosts.cpu_devices
+    cpus = args.cluster.cpu_devices
     split = f" (one CPU split into {cpus})" if cpus > 1 else ""
     print(
         f"device: {mesh.size} x {device.platform} ({device.device_kind}){split}; {model}; {members}; {timed}"
@@ -226,16 +248,14 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     skipped is printed with the reason. Returns the tokens/s of each kind timed, by letter."""
     run.check_args(args)
     started = time.time()
-    args, mesh = run.start_devices(args)
+    args, mesh, _ = run.start_devices(args)
     rng, bare, notes = np.random.default_rng(args.seed), bare_jax_rss(), []
     parts = (("a training", "train"), ("b fitness only", "fitness"), ("c inference", "inference"))
     kinds = [prepare_kind(label, args, part, mesh, rng, notes) for label, part in parts]
-    if (
-        replicas := args.replication.replicas
-    ) > 1:  # the same members as one run: K x P, beside the K replicas of P
-        whole = run.single_run(
-            args, parallel_generations_per_gpu=args.parallel_generations_per_gpu * replicas
-        )
+    replicas = args.pbt.replicas
+    if replicas > 1:  # the same members as one run: K x P, beside the K replicas of P
+        members = args.parallel_generations_per_gpu * replicas
+        whole = run.single_run(args, parallel_generations_per_gpu=members)
         label = f"e one run of {run.make_config(whole, mesh.size).population}"
         kinds.append(prepare_kind(label, whole, "train", mesh, rng, notes))
     rounds, full_rank_rounds = args.num_epochs, args.num_epochs
@@ -290,7 +310,7 @@ def target_mesh(target: str, devices: int) -> jax.sharding.Mesh:
 def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
     """The generation step's arguments as shapes with their shardings on the mesh (no arrays)."""
     replicas = run.replicas_of(args)
-    params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, replicas))
+    params, rule_state, states = jax.eval_shape(lambda: run.init_run(cfg, replicas))
     everywhere, spread = (jax.sharding.NamedSharding(mesh, spec) for spec in (run.REPLICATED, run.SPREAD))
 
     def shaped(x, sharding=everywhere):
@@ -302,7 +322,7 @@ def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
     generation = jax.ShapeDtypeStruct((), jnp.int32, sharding=everywhere)
     inputs = run.replica_inputs(cfg, replicas, 0)
     return (
-        *jax.tree.map(shaped, (params, opt)),
+        *jax.tree.map(shaped, (params, rule_state)),
         shaped(states, spread),
         batch,
         generation,
@@ -354,7 +374,7 @@ def compile_target(args: Args, part: str):
     run.check_bounds(cfg)
     tick = time.time()
     with without_compilation_cache():
-        traced = run.make_generation_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
+        traced = make_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
         compiled = traced.lower().compile()
     kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
     return compiled, kernels, cfg, time.time() - tick
@@ -363,14 +383,20 @@ def compile_target(args: Args, part: str):
 def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
     """(training, inference) bytes a token costs each member at the least (docs/design.org's
     roofline): the weights once per device's members, every product's int8 input and output, the
-    state and the residual stream (22 n a layer, 2 n + 2 x 256 around them); in training also half
-    its pair's rank-r factors and its own perturbed vectors."""
-    n, layers, members = cfg.n_embd, cfg.n_layer, cfg.population // cfg.devices
+    state and the residual stream (22 n a layer, 2 n + 2 x 256 around them, n the width); in
+    training also half its pair's rank-r factors (A and B of every matrix; of the embedding's A,
+    the row of the byte read) and its own perturbed vectors."""
+    n, members = cfg.n_embd, cfg.population // cfg.devices
     weights = run.num_parameters(cfg) / members
-    activations = 22 * n * layers + 2 * n + 2 * run.VOCAB
-    # one pair's A and B: 4 n x n and 2 n x 4n matrices a layer; a row of the embedding's A, its B, the head's
-    factors = cfg.rank * (layers * (4 * 2 * n + 2 * 5 * n) + (1 + n) + (run.VOCAB + n))
-    vectors = (4 * layers + 1) * n
+    activations = 22 * n * cfg.n_layer + 2 * n + 2 * run.VOCAB
+    factors = vectors = 0
+    for name in run.PARAM_NAMES:
+        layers, shape = cfg.n_layer if name in run.BLOCK else 1, run.param_shape(name, cfg)
+        if name in run.MATRICES:
+            rows = 1 if name == "emb" else shape[0]
+            factors += layers * cfg.rank * (rows + shape[1])
+        else:
+            vectors += layers * math.prod(shape)
     return weights + activations + factors / 2 + vectors, weights + activations
 
 

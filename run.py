@@ -81,8 +81,10 @@ ROUNDS_TO_ZERO = (
     "from 7 on every bias and gain perturbation rounds to 0 (the noise table's |entries| <= 46)"
 )
 INT16 = "its running sum is int16"
+
+
 def entries(table: str) -> Callable[[], tuple[str, ...]]:
-    """A flag's choices: the names of a table's entries (SHAPINGS, RULES: below), read when asked."""
+    """A flag's choices: the names of a table's entries (SHAPINGS, RULES: below), when asked."""
     return lambda: tuple(globals()[table])
 
 
@@ -97,17 +99,14 @@ class ModelFlags:
     n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
     """width of the residual stream (a multiple of 4)"""
     init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
-    """standard deviation of every matrix's initial entries in int8 steps (real = q / 16; 0:
-    zeros)"""
+    """standard deviation of each matrix's first entries in int8 steps (real = q / 16; 0: zeros)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
-    """products by the GPU kernel (egg/kernel.py; interpreted on the CPU) or XLA's (auto: the
-    kernel on a GPU); the same bits"""
+    """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
 
 
 @dataclass(frozen=True)
 class Args:
-    """egg-jax's flags. options: the run, the population, EGGROLL, validation; then the model and
-    the tools."""
+    """egg-jax's flags. options: the run, population, EGGROLL, validation; then the model, tools."""
 
     seed: Annotated[int, *flag("[0, inf)", training=True)] = 0
     """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
@@ -122,8 +121,7 @@ class Args:
     tokens_per_update: Annotated[int, *flag("[1, inf)", training=True)] = 100
     """bytes each member predicts per generation"""
     segments: Annotated[int, *flag("[0, inf)", training=True, upstream=1)] = 0
-    """perturbations a member evaluates in turn, each on its share of the bytes (0: 10, or fewer
-    for int32)"""
+    """perturbations a member evaluates in turn, each on its share of the bytes (0: 10, or fewer)"""
 
     # EGGROLL
     algorithm: Literal["egg", "upstream"] = "egg"
@@ -131,16 +129,13 @@ class Args:
     alpha: Annotated[
         float, *flag("(0, inf)", training=True, why="a share <= 1, or a schedule's > 1")
     ] = 4.0
-    """<= 1: fixed share of parameters allowed to move; > 1: upstream's schedule 1 / ((2**alpha - 1)
-    t / T + 1)"""
+    """<= 1: share of entries allowed to move; > 1: upstream's 1 / ((2**alpha - 1) t / T + 1)"""
     alpha_decay_timestep: Annotated[int, *flag("[1, inf)", training=True)] = 1000
-    """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T and keeps
-    decaying"""
+    """T of the --alpha > 1 schedule: the share reaches 2**-alpha at generation T, decaying on"""
     alpha_floor: Annotated[float, *flag("[0, 1)", training=True, upstream=0.0, why="a share")] = (
         1 / 64
     )
-    """the --alpha > 1 schedule's share never falls below this (0: no floor; 1/64: none up to
-    generation 4,200)"""
+    """the --alpha > 1 schedule's share never falls below this (0: no floor; 1/64: from t 4,200)"""
     sigma_shift: Annotated[int, *flag("[0, 6]", training=True, upstream=4, why=ROUNDS_TO_ZERO)] = 3
     """perturbation scale sigma = 2**-sigma_shift"""
     rank: Annotated[int, *flag("[0, 64]", training=True, why="0: full-rank noise")] = 1
@@ -163,13 +158,11 @@ class Args:
     momentum_shift: Annotated[int, *flag("[1, 7]", training=True, why=INT16)] = 2
     """momentum: the running sum keeps 1 - 2**-shift of itself per generation"""
     max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
-    """momentum: an entry whose sum holds k thresholds moves min(k, this) steps; 0: 2 at 10,000
-    pairs, or 1"""
+    """momentum: moves of up to this many steps (0: 2 from 10,000 pairs an update, else 1)"""
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False)] = True
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
     null_from_scores: Annotated[bool, *flag(training=True)] = False
-    """ztest: scale the null std by sqrt(this generation's sum of squared scores / its expected
-    value)"""
+    """ztest: scale the null std by sqrt(this generation's sum of squared scores / its null mean)"""
 
     # validation
     validate_every: Annotated[int, *flag("[0, inf)")] = 0
@@ -1255,26 +1248,22 @@ def num_parameters(cfg: Config) -> int:
     return sum(math.prod(full_shape(k, cfg)) for k in PARAM_NAMES)
 
 
-def product_engine(flag: str, platform: str, fault: str, rank: int) -> str:
+def product_engine(flag: str, platform: str, rank: int) -> str:
     """Who computes the products (--kernels): egg/kernel.py's kernel on a GPU ("pallas") unless
-    --kernels xla, the GPU cannot run it (fault: why) or the noise is not of rank 1, which it does
-    not take; on the CPU XLA, or the kernel in Pallas's interpreter ("interpret") with --kernels
-    pallas. The same bits every way."""
+    --kernels xla or the noise is not of rank 1, which the kernel does not take; on the CPU XLA, or
+    the kernel in Pallas's interpreter ("interpret") with --kernels pallas. The same bits every way
+    (a GPU that cannot run the kernel: start_devices)."""
     if flag == "xla" or rank != 1:
         return "xla"
     if platform not in ("gpu", "cuda", "rocm"):
         return "interpret" if flag == "pallas" else "xla"
-    if fault and flag == "pallas":
-        raise UserError(f"--kernels pallas: {fault}; use --kernels xla or auto")
-    return "xla" if fault else "pallas"
+    return "pallas"
 
 
-def make_config(
-    args: Args, devices: int | None = None, platform: str = "cpu", fault: str = ""
-) -> Config:
+def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -> Config:
     """The static configuration of a run on `devices` JAX devices of a platform (default: one CPU's
-    worth; fault: why the GPU kernel cannot run there). A CPU split into --cpu_devices of them
-    counts as one device of --parallel_generations_per_gpu."""
+    worth). A CPU split into --cpu_devices of them counts as one device of
+    --parallel_generations_per_gpu."""
     shards = max(args.cluster.cpu_devices, 1)
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
@@ -1299,7 +1288,7 @@ def make_config(
         distinct_pairs=(args.num_perturbations or population) // 2,
         devices=devices,
         replicas=args.pbt.replicas,
-        kernels=product_engine(args.model.kernels, platform, fault, args.rank),
+        kernels=product_engine(args.model.kernels, platform, args.rank),
         noise_per_segment=platform in ("gpu", "cuda", "rocm"),
     )
     while (
@@ -1372,7 +1361,7 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
             reach = rule.reach(bounds[f"Z of a {kind} entry"][0], cfg)
             if threshold >= reach:
                 raise UserError(
-                    f"--alpha {replica.alpha:g} at population {cfg.population}: the threshold "
+                    f"--alpha {replica.alpha:g} at population {cfg.population}: the test's threshold "
                     f"{threshold:,} is beyond the largest {rule.tests} a {kind} entry can reach "
                     f"({reach:,}), so nothing would ever move; use a larger --alpha or population"
                 )
@@ -1768,24 +1757,30 @@ def run_folders(args: Args) -> record.Folders:
     return record.folders(args.record.runs_dir, name, args.checkpoints.save_dir)
 
 
+def mesh_config(args: Args, mesh: jax.sharding.Mesh) -> Config:
+    """make_config for a run on this mesh's devices and platform."""
+    return make_config(args, mesh.size, mesh.devices.flat[0].platform)
+
+
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
     """Join the other processes and start the mesh: (the flags as used, the mesh, the run's
-    Config). On a GPU: no CPU split, and XLA's products where the GPU kernel cannot run, said in
-    one line."""
+    Config). On a GPU: no CPU split, and XLA's products (--kernels xla) where the GPU kernel cannot
+    run, said in one line (refused with --kernels pallas)."""
     cluster.init_distributed(args.cluster)
     mesh = cluster.population_mesh(POP)
-    platform = mesh.devices.flat[0].platform
-    if platform == "cpu":
-        return args, mesh, make_config(args, mesh.size, platform)
+    if mesh.devices.flat[0].platform == "cpu":
+        return args, mesh, mesh_config(args, mesh)
     args = replace(args, cpu_devices=1)
-    wanted = (
-        make_config(args, mesh.size, platform).kernels == "pallas" or args.model.kernels == "pallas"
-    )
-    fault = kernel.fault(mesh.devices.flat[0], ARITHMETIC) if wanted else ""
-    cfg = make_config(args, mesh.size, platform, fault)
-    if fault and jax.process_index() == 0:
-        print(f"products by XLA, the same bits: {fault}")
-    return args, mesh, cfg
+    fault = ""
+    if mesh_config(args, mesh).kernels == "pallas":
+        fault = kernel.fault(mesh.devices.flat[0], ARITHMETIC)
+    if fault and args.model.kernels == "pallas":
+        raise UserError(f"--kernels pallas: {fault}; use --kernels xla or auto")
+    if fault:
+        args = replace(args, kernels="xla")
+        if jax.process_index() == 0:
+            print(f"products by XLA, the same bits: {fault}")
+    return args, mesh, mesh_config(args, mesh)
 
 
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
@@ -2000,8 +1995,9 @@ def train(args: Args) -> dict:
             if recorded and not set(found.changes) & set(pbt.SETTING_FLAGS):
                 replicas = [Replica(**x) for x in recorded]
         keep = args.checkpoints.keep_checkpoints
+        model, identity = wanted.expected.model, wanted.identity
         checkpointer = checkpoints.Checkpointer(
-            folders.checkpoints, flat(args), keep, wanted.identity, writer
+            folders.checkpoints, flat(args), keep, identity, writer, model, cfg.replicas
         )
         if found is not None:
             checkpointer.best = found.meta.get("best_val_bits_per_byte", math.inf)
@@ -2104,6 +2100,9 @@ def train(args: Args) -> dict:
                         text = sample_text(model, cfg, args.sampling, args.seed + done)
                         metrics["samples/text"] = sampling.printable(text)
                         console.log(f"generation {done} sample: {metrics['samples/text']}")
+                # the record's line before the checkpoint: a checkpoint never holds a generation
+                # the record lacks (a resume drops the lines after its checkpoint's generation)
+                console.show(metrics, done, scores, leader)
                 if saving:
                     arrays = jax.tree.map(host_copy, tuple(carry))  # every process: a sync point
                     meta = checkpoint_meta(replicas, scores, leader)
@@ -2111,7 +2110,6 @@ def train(args: Args) -> dict:
                     if stopping:  # every process says so: they all stop after the same generation
                         where = f"generation {done}: saved {folder}"
                         print(f"process {jax.process_index()} stopped by signal after {where}")
-                console.show(metrics, done, scores, leader)
                 if stopping:
                     break
         ended = Ended(scores, leader, replicas, stopping)

@@ -64,7 +64,7 @@ def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
     known = Facts(**facts)
 
     def hint(default) -> str:
-        parts = [f"default: {default if default != '' else repr(default)}"]
+        parts = [f"default: {default}"]
         if known.ranged():
             parts.append(known.allowed())
         if known.choices is not None:
@@ -74,9 +74,11 @@ def flag(interval: str = "", **facts) -> tuple[Facts, Any]:
         if known.alias is not None:
             name, values = known.alias
             spelt = {True: f"--{name}", False: f"--no-{name}"}
-            parts.append(", ".join(f"{spelt[k]} is {v}" for k, v in values))
+            parts.append(", ".join(f"{spelt[k]}: {v}" for k, v in values))
         return f"({'; '.join(parts)})"
 
+    if known == Facts(carried=known.carried):  # nothing to say beyond tyro's own default
+        return (known,)
     return known, tyro.conf.arg(help_behavior_hint=hint)
 
 

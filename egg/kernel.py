@@ -55,7 +55,7 @@ def takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     return shaped and distinct % 16 == 0 and pairs % distinct == 0
 
 
-def tile_program(
+def int8_product(
     *refs,
     noisy: bool,
     gained: bool,
@@ -184,7 +184,7 @@ def product(
     a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
     (K,) int32, each replica's sigma_shift; layer () int32; gain (L, K, D, S n), (L, K, 1, n)
     (every row's) or None; residual (K, Q, S m) or None. Returns (G, K, Q, S m). A program
-    (tile_program) computes a tile of pairs and outputs of one side of one matrix."""
+    (int8_product) computes a tile of pairs and outputs of one side of one matrix."""
     from jax.experimental import pallas as pl
 
     _, replicas, pairs, _ = x.shape
@@ -199,7 +199,7 @@ def product(
     column_tiles = m // columns
     kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
     program = partial(
-        tile_program,
+        int8_product,
         **kinds,
         x_layered=x_layered,
         tile=(rows, columns, depth, n),

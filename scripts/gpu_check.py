@@ -124,7 +124,7 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
     interpreter on the same device (on the CPU both interpret), on random int8 operands: every
     shape (inputs n, outputs m, pairs) with and without noise, gain and residual
     (a residual where m = n). A line per case that differs, then one line for all of them.
-    `kernel`: run.product_kernel unless given (the tests give a faulty one)."""
+    `kernel`: egg/kernel.py's, with run.py's arithmetic, unless given (the tests give a faulty one)."""
     import itertools  # noqa: PLC0415
 
     os.environ["JAX_PLATFORMS"] = platform
@@ -133,7 +133,9 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
     import numpy as np  # noqa: PLC0415
 
     run = run_module()
-    kernel = kernel or run.product_kernel
+    from egg import kernel as products  # noqa: PLC0415
+
+    kernel = kernel or partial(products.product, arithmetic=run.ARITHMETIC)
     rng = np.random.default_rng(0)
 
     def r8(*shape, low=-127, high=128):
@@ -236,7 +238,7 @@ def kernel_times(trace: Path) -> dict[str, float]:
         for e in events
         if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
     }
-    product, totals = run_module().int8_product.__name__, {}
+    product, totals = run_module().kernel.int8_product.__name__, {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices:
             name = re.sub(r"__\d+$", "", e["name"]) if e["name"].startswith(product) else e["name"]
@@ -254,13 +256,13 @@ def profile_generation(
     import numpy as np  # noqa: PLC0415
 
     run, bench = run_module(), bench_module()
-    args, mesh = run.start_devices(run.parse_args(flags))
-    cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
-    carry = run.on_mesh(run.init_run(cfg, replicas), mesh)
+    args, mesh, cfg = run.start_devices(run.parse_args(flags))
+    replicas = run.replicas_of(args)
+    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
-    batch = run.global_array(batch, mesh, run.REPLICATED)
+    batch = run.cluster.global_array(batch, mesh, run.REPLICATED)
     inputs = run.replica_inputs(cfg, replicas, 0)
-    traced = run.make_generation_step(cfg, mesh, "train").trace(*carry, batch, np.int32(0), *inputs)
+    traced = run.make_generation_step(cfg, mesh).trace(*carry, batch, np.int32(0), *inputs)
     step = traced.lower().compile()
     carry = jax.block_until_ready(step(*carry, batch, np.int32(0), *inputs))[:3]
     folder = out / f"trace-{len(list(out.glob('trace-*')))}"
@@ -277,7 +279,7 @@ def modeled_times(hlo: str, pallas_costs: dict) -> dict[str, float]:
     roofline, modeled = bench.ROOFLINES["h100"], {}
     for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
         seconds = k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
-        name = run.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
+        name = run.kernel.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
         modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
     return modeled
 

@@ -106,22 +106,23 @@ def upstream_args(**changes) -> run.Args:
 def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: int, cfg):
     """run.forward of a single model (no replica axis in or out): (fitness (M,), states)."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
-    fitness, states, _, _ = run.forward(
+    fitness, states = run.forward(
         add(params), add(noise), add(states), inputs, targets, np.array([sigma_shift], np.int32), cfg
     )
     return np.asarray(fitness)[0], np.asarray(states)[0]
 
 
-def es_update(params, opt, noise, scores, thresholds, cfg):
+def es_update(params, rule_state, noise, scores, thresholds, cfg):
     """One model's update as the generation step makes it from every noise of the generation
     (run.generation_noise) and the scores (scored_pairs,), segment-major: the pairs' weights, Z of
     every parameter, then the rule."""
     weights = run.pair_weights(scores, cfg).reshape(-1)  # (noise_pairs,), as generation_noise orders them
-    return run.apply_rule(params, opt, run.z_statistics(noise, weights, cfg), weights, thresholds, cfg)
+    z = run.z_statistics(noise, weights, cfg)
+    return run.apply_rule(params, rule_state, z, weights, thresholds, cfg)
 
 
 def one_model_step(step, carry, batch, generation: int, thresholds, seed: int, sigma_shift: int):
-    """A compiled step (run.make_generation_step) of a single model: carry (params, opt, states)
+    """A compiled step (run.make_generation_step) of a single model: carry (params, rule_state, states)
     without the replica axis in and out; (params, opt, states, fitness, moved) as numpy."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
     inputs = (np.asarray(thresholds)[None], np.array([seed], np.int32), np.array([sigma_shift], np.int32))

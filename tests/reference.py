@@ -99,10 +99,10 @@ def log2_softmax(logits, target: int) -> int:
     return ((logits[target] - top) << 4) - log2_s
 
 
-def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, relu: bool):
+def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
     """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
-    {name: (A, B) or full array} (block entries with a leading layer axis), or None. relu: the
-    MLP's ReLU (--mlp_relu; upstream has none)."""
+    {name: (A, B) or full array} (block entries with a leading layer axis), or None. The MLP has no
+    nonlinearity, as upstream's."""
     h = np.zeros_like(h) if tok == 0 else np.asarray(h, np.int64).copy()
 
     def nz(name, layer=None):
@@ -133,17 +133,16 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, relu: bool)
         h[layer] = new
         x = clip8(x + new)
         a = layer_norm(x, vec("ln2"))
-        hidden = np.maximum(mm(a, "W1"), 0) if relu else mm(a, "W1")
-        x = clip8(x + mm(hidden, "W2"))
+        x = clip8(x + mm(mm(a, "W1"), "W2"))
     x = layer_norm(x, perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift))
     return matmul(x, params["head"], nz("head"), sign, sigma_shift), h
 
 
-def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int, relu: bool):
+def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int):
     """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per byte)."""
     total, every = 0, []
     for tok, target in zip(inputs, targets, strict=True):
-        logits, h = forward(params, noise, sign, h, int(tok), sigma_shift, relu)
+        logits, h = forward(params, noise, sign, h, int(tok), sigma_shift)
         every.append(logits)
         total += log2_softmax(logits, int(target))
     return total, h, np.array(every)

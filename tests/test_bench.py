@@ -15,7 +15,7 @@ from helpers import TINY, in_process, one_line_error, tiny_args
 
 import bench
 import run
-from egg import cluster, flags, hlo
+from egg import cluster, flags, hlo, kernel
 from egg.flags import flag_given
 
 FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
@@ -25,7 +25,7 @@ SMALL = ["--n_embd", "16", "--parallel_generations_per_gpu", "64", "--segments",
 def compile_step(args, part="train", devices=1):
     mesh = bench.target_mesh("h100", devices)
     cfg = run.mesh_config(args, mesh)
-    step = run.make_generation_step(cfg, mesh, part)
+    step = bench.make_step(cfg, mesh, part)
     with bench.without_compilation_cache():
         return step.lower(*bench.abstract_inputs(args, cfg, mesh)).compile(), cfg, mesh
 
@@ -93,7 +93,7 @@ def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast
     """docs/design.org: one all-gather of an int8 score per pair and segment (half a byte per
     member and segment), with normalised scores also the two int32 sums of the mean |difference|."""
     args = tiny_args(
-        *SMALL, "--fast_fitness" if fast else "--no-fast_fitness", "--parallel_generations_per_gpu", "16"
+        *SMALL, "--shaping", "sign" if fast else "normalised", "--parallel_generations_per_gpu", "16"
     )
     compiled, cfg, _ = compile_step(args, devices=8)
     traffic = hlo.collective_traffic(compiled.as_text())
@@ -180,7 +180,8 @@ def test_a_product_kernel_is_costed_by_the_layer_it_reads():
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def program(x, w, a, b, shifts):
-        return run.product_kernel(x, w, a, b, shifts, jnp.int32(1), None, None, False, False)
+        options = dict(x_layered=False, interpret=False, arithmetic=run.ARITHMETIC)
+        return kernel.product(x, w, a, b, shifts, jnp.int32(1), None, None, **options)
 
     operands = (
         shaped(1, 1, pairs, 2 * n),
@@ -267,8 +268,6 @@ def test_benchmark_of_replicas_times_one_run_of_as_many_members_beside_them(caps
 
 
 def test_the_benchmark_is_its_own_script_and_takes_run_pys_flags(capsys):
-    one_line_error(in_process(capsys, "--benchmark"), "run python bench.py with the same flags")
-    capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         bench.main(["--target", "h100", "--n_embd", "6"])
     assert stop.value.code == 2 and "--n_embd must be a multiple of 4, got 6" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from helpers import (
 )
 
 import run
-from egg import checkpoints, cluster, corpora, files, flags, resume
+from egg import checkpoints, cluster, corpus, files, flags, resume
 
 
 def start(*flags, runs):
@@ -167,16 +167,16 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         (["--parallel_generations_per_gpu", "32"], "population 16 -> 32"),
         (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
         (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
-        (["--fast_fitness", "--noise_reuse", "2"], "--fast_fitness False -> True, --noise_reuse 1 -> 2"),
+        (["--fast_fitness", "--noise_reuse", "2"], "--shaping normalised -> sign, --noise_reuse 1 -> 2"),
         (["--num_perturbations", "8", "--segments", "2"], "--segments 0 -> 2, --num_perturbations 0 -> 8"),
         (
-            ["--optimizer", "adam", "--momentum_shift", "3", "--scale_shift", "5"],
-            # --scale_shift acts under adam only: not the checkpoint's rule, so the rule's change says it
-            "--optimizer momentum -> adam, --momentum_shift 2 -> 3",
+            ["--optimizer", "ztest", "--momentum_shift", "3", "--max_step", "2"],
+            # --momentum_shift and --max_step act under momentum only: not this run's rule
+            "--optimizer momentum -> ztest",
         ),
         (
-            ["--no-shared_pair_state", "--mlp_relu"],
-            "--shared_pair_state True -> False, --mlp_relu False -> True",
+            ["--no-shared_pair_state", "--shaping", "sign"],
+            "--shaping normalised -> sign, --shared_pair_state True -> False",
         ),
         # --null_from_scores acts under ztest only, not the checkpoint's rule: the rule's change says it
         (["--optimizer", "ztest", "--null_from_scores"], "--optimizer momentum -> ztest"),
@@ -231,37 +231,31 @@ def test_resume_auto_with_no_checkpoint_starts_a_fresh_run(tmp_path, capsys):
 
 
 def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, capsys):
-    """End to end: a population-16 checkpoint continued at population 32 equals its parameters
-    stepped once from zero states at population 32, computed here in-process."""
-    assert in_process(capsys, *TINY, "--num_epochs", "4", "--runs_dir", str(tmp_path)).returncode == 0
+    """End to end: a population-16 checkpoint of the Z-test continued at population 32 with momentum
+    equals its parameters stepped once from zero states and a zero running sum at population 32,
+    computed here in-process."""
+    first = [*TINY, "--num_epochs", "4", "--runs_dir", str(tmp_path), "--optimizer", "ztest"]
+    assert in_process(capsys, *first).returncode == 0
     folder = checkpoint_dir(tmp_path)
-    wider = [
-        "--parallel_generations_per_gpu",
-        "32",
-        "--num_epochs",
-        "5",
-        "--optimizer",
-        "adam",
-        "--allow_changes",
-    ]
+    wider = ["--parallel_generations_per_gpu", "32", "--num_epochs", "5", "--allow_changes"]
     result = in_process(
         capsys, *TINY, *wider, "--runs_dir", str(tmp_path), "--save_dir", str(folder), "--resume", "auto"
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "another population layout: hidden states restart at zero" in result.stdout
-    assert "holds no --optimizer adam state: it starts afresh" in result.stdout
+    assert "holds no state of this run's update rule: it starts afresh" in result.stdout
     assert f"resuming from {folder / 'gen-00000004'} at generation 4" in result.stdout
     args = run.parse_args([*TINY, *wider])
     cfg = run.make_config(args)
-    train_bytes, _ = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
+    train_bytes, _ = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     batch = run.batch_at(train_bytes, run.make_stream(len(train_bytes), cfg), cfg, 4)
-    expected = run.expected_arrays(run.make_config(run.parse_args(TINY)))
-    params = checkpoints.load_checkpoint(folder / "gen-00000004", expected)[0]
+    expected = run.expected_arrays(run.make_config(run.parse_args([*TINY, "--optimizer", "ztest"])))
+    params = checkpoints.load_checkpoint(folder / "gen-00000004", expected).params
     params = {k: v[0] for k, v in params.items()}  # the replica axis of one
     step = run.make_generation_step(cfg, cluster.population_mesh(run.POP, jax.devices()[:1]))
     states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
     params, opt, states, _, _ = one_model_step(
-        step, (params, run.init_optimizer(cfg), states), batch, 4, thresholds(args, cfg, 4), 0, 3
+        step, (params, run.init_state(cfg), states), batch, 4, thresholds(args, cfg, 4), 0, 3
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
         for name in run.PARAM_NAMES:
@@ -269,7 +263,7 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     with np.load(folder / "gen-00000005" / "states.npz") as f:
         np.testing.assert_array_equal(f["states"], states)
     with np.load(folder / "gen-00000005" / "optimizer.npz") as f:
-        assert sorted(f.files) == sorted(opt) and f["v/Wf"].dtype == np.int16
+        assert sorted(f.files) == sorted(opt) and f["m/Wf"].dtype == np.int16
         for key in f.files:
             np.testing.assert_array_equal(f[key], opt[key], err_msg=key)
 
@@ -301,7 +295,7 @@ def tiny_model():
     """(cfg, params, opt, states) of one fresh tiny model, momentum's sums moved off zero."""
     cfg = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
     params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
-    opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_optimizer(cfg))
+    opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_state(cfg))
     return cfg, params, opt, np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
 
 
@@ -331,13 +325,11 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     ztest = run.make_config(
         flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest")
     )
-    assert load(tmp_path / "c", ztest)[2] == {}  # a rule that keeps no state
-    adam = run.make_config(
-        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="adam")
-    )
-    assert load(tmp_path / "c", adam)[2] is None  # no state of this rule: started afresh
+    assert load(tmp_path / "c", ztest).rule_state == {}  # a rule that keeps no state
+    checkpoints.save_checkpoint(tmp_path / "z", params, {}, states, {"generation": 5})  # the Z-test's
+    assert load(tmp_path / "z", cfg).rule_state is None  # no state of this rule: started afresh
     other = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
-    assert load(tmp_path / "c", other)[1] is None  # other population: fresh states
+    assert load(tmp_path / "c", other).states is None  # other population: fresh states
 
 
 CURRENT = ROOT / "tests" / "data" / "checkpoints-5423dfc"  # gen-4 checkpoints written by commit 5423dfc
@@ -358,7 +350,7 @@ def test_a_checkpoint_written_by_earlier_code_resumes_bit_for_bit(tmp_path, caps
 
 def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):
     _, params, _, states = tiny_model()
-    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=2)
+    saver = checkpoints.Checkpointer(tmp_path, {}, keep=2)
     saver.save(1, with_axis(params, {}, states), 9.0, {})
     before = params_hash(tmp_path / "gen-00000001")
 
@@ -376,7 +368,7 @@ def test_a_save_killed_midway_leaves_previous_checkpoints_intact(tmp_path, monke
 def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path):
     """Killed after gen-6 was renamed into place but before LATEST was: resumes take gen-6."""
     _, params, _, states = tiny_model()
-    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=3)
+    saver = checkpoints.Checkpointer(tmp_path, {}, keep=3)
     saver.save(3, with_axis(params, {}, states), 9.0, {})
     checkpoints.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
@@ -420,7 +412,7 @@ def test_a_folder_has_one_owner_and_its_leftovers_go_when_it_is_owned(tmp_path):
 
 def test_keeps_the_last_k_and_the_best(tmp_path):
     _, params, _, states = tiny_model()
-    saver = checkpoints.Checkpointer(tmp_path, {"replicas": 1}, keep=2)
+    saver = checkpoints.Checkpointer(tmp_path, {}, keep=2)
     for generation, score in ((1, 5.0), (2, 4.0), (3, 4.5), (4, 4.2)):
         saver.save(generation, with_axis(params, {}, states), score, {})
         saver.offer_best(generation, (params, {}, states), score, {})

@@ -12,7 +12,7 @@ from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 from test_flags import range_cases
 
 import run
-from egg import corpora
+from egg import corpus
 
 BAD_INPUT = [
     *range_cases(),
@@ -39,13 +39,16 @@ BAD_INPUT = [
     ),
     (["--num_perturbations", "6"], "--num_perturbations must be even and divide"),
     (["--n_embd", "6"], "--n_embd must be a multiple of 4"),
-    (["--alpha", "1e-70"], "--alpha 1e-70 at population 64: the Z-test threshold"),
+    (["--alpha", "1e-70"], "--alpha 1e-70 at population 64: the test's threshold"),
     (["--sigma_shift", "7"], "every bias and gain perturbation rounds to 0"),
     (["--optimizer", "ztest", "--alpha", "1e-70"], "is beyond the largest |Z| a matrix entry can reach"),
     (["--alpha", "1e-70"], "is beyond the largest running sum |m| a matrix entry can reach (508)"),
     (["--num_procs", "2", "--proc_id", "2"], "--proc_id must be below --num_procs, got 2 of 2"),
     (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
-    (["--no-fast_fitness", "--parallel_generations_per_gpu", "270336"], "or --fast_fitness"),
+    (["--no-fast_fitness", "--parallel_generations_per_gpu", "270336"], "or --shaping sign"),
+    (["--shaping", "ranks"], "--shaping must be one of sign, normalised, got ranks"),
+    (["--optimizer", "adam"], "--optimizer adam: tried and not adopted"),
+    (["--mlp_relu"], "--mlp_relu: tried and not adopted (docs/results.org"),
     (["--tokens_per_update", "400000"], "use a smaller --tokens_per_update"),
     (["--n_embd", "65536"], "use a smaller --n_embd"),
 ]
@@ -100,13 +103,11 @@ def unigram_cross_entropy(train, rows):
     return float(-(targets * np.log2(counts / counts.sum())).sum() / targets.sum())
 
 
-@pytest.mark.parametrize(
-    "rule", [["--optimizer", "momentum"], ["--optimizer", "adam"], ["--algorithm", "upstream"]]
-)
+@pytest.mark.parametrize("rule", [["--optimizer", "momentum"], ["--algorithm", "upstream"]])
 def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, rule):
     """Random words from a vocabulary of 17: what follows a letter is mostly fixed, so a model
     that learns anything beats the unigram quickly. 200 generations of a 16D-1L model end near
-    3.5-3.9 bits/byte (momentum 3.50, adam 3.62, upstream's Z-test 3.91; unigram 4.21)."""
+    3.5-3.9 bits/byte (momentum 3.50, upstream's Z-test 3.91; unigram 4.21)."""
     words = "the quick brown fox jumps over the lazy dog and a cat sat on the mat while birds sing".split()
     rng = np.random.default_rng(0)
     (tmp_path / "words.txt").write_text(" ".join(rng.choice(words, 40_000)))
@@ -119,7 +120,7 @@ def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, 
     assert result.returncode == 0, result.stderr[-2000:]
     score = float(re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)[-1])
     args = run.parse_args([*flags, *rule])
-    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
+    train, valid = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     baseline = unigram_cross_entropy(train, run.validation_rows(valid, args))
     print(f"{' '.join(rule)}: {score:.4f} bits/byte, unigram {baseline:.4f}")
     assert score < baseline - 0.2
@@ -141,7 +142,7 @@ def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     scores = [float(x) for x in re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)]
     args = tyro.cli(run.Args, args=flags)
-    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
+    train, valid = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     rows = run.validation_rows(valid, args)
     corpus_entropy = unigram_cross_entropy(train, np.asarray(train[None, :]))
     baseline = unigram_cross_entropy(train, rows)

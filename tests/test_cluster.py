@@ -176,13 +176,13 @@ SHARDED = """
 import jax, numpy as np, run
 from egg import cluster, flags, hlo
 args = flags.replace(run.Args(), n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4,
-                     tokens_per_update=8, fast_fitness={fast})
+                     tokens_per_update=8, shaping="sign" if {fast} else "normalised")
 mesh = cluster.population_mesh(run.POP)
 cfg = run.make_config(args, mesh.size)
-params, opt, states = jax.eval_shape(lambda: run.init_run(cfg, run.replicas_of(args)))
+params, rule_state, states = jax.eval_shape(lambda: run.init_run(cfg, run.replicas_of(args)))
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
 inputs = run.replica_inputs(cfg, run.replicas_of(args), 0)
-step = run.make_generation_step(cfg, mesh).lower(params, opt, states, batch, np.int32(0), *inputs)
+step = run.make_generation_step(cfg, mesh).lower(params, rule_state, states, batch, np.int32(0), *inputs)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
 for name, text in programs.items():

@@ -10,7 +10,7 @@ from helpers import es_update, fitness_of_one_model, thresholds
 
 import run
 from egg import flags
-from egg.diagnostics import diagnostics, diagnostics_table, moved_shares, tensor_stats
+from egg.diagnostics import health, moved_shares, table, tensor_stats
 
 
 def test_tensor_stats_match_numpy():
@@ -60,7 +60,7 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
     noise = run.generation_noise(cfg, 0, 0)
     new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)
-    tensors = {k: (2 if k in run.BLOCK_NAMES else 1, np.asarray(params[k]).size) for k in run.PARAM_NAMES}
+    tensors = {k: (2 if k in run.BLOCK else 1, np.asarray(params[k]).size) for k in run.PARAM_NAMES}
     shares = moved_shares(np.asarray(moved), tensors)
     want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in run.PARAM_NAMES}
     assert (
@@ -73,12 +73,12 @@ def test_parameter_shares_and_table_colours():
     seen = jax.tree.map(np.asarray, run.activations(params, rows, cfg))
     params["Wf"].flat[:16] = 127  # 16 of 2 * 64 entries at the saturated value
     shares = {name: 0.0 for name in run.PARAM_NAMES} | {"Wf": 16 / 128}
-    values = diagnostics(seen, params, shares, run.INT8_MAX)
+    values = health(seen, params, shares, run.INT8_MAX)
     assert values["diag/param_Wf/moved"] == pytest.approx(16 / 128)
     assert values["diag/param_Wf/saturated"] == pytest.approx(np.mean(np.abs(params["Wf"]) == 127))
     assert values["diag/param_head/moved"] == 0
     state1 = tensor_stats(seen["state"][:, :, 1], 127)["entropy"]
     assert values["diag/state1/entropy"] == pytest.approx(state1)
-    table = diagnostics_table(values)
-    assert "\033[31mparam_Wf" in table and "\033[32mparam_head" in table  # 12.5% saturated: red
-    assert len(table.splitlines()) == 1 + 2 + 5 * 2 + len(run.PARAM_NAMES)
+    text = table(values)
+    assert "\033[31mparam_Wf" in text and "\033[32mparam_head" in text  # 12.5% saturated: red
+    assert len(text.splitlines()) == 1 + 2 + 5 * 2 + len(run.PARAM_NAMES)

@@ -99,12 +99,12 @@ def signal_within(target, name: str, sig=signal.SIGINT, times: int = 1):
 BASE = [*TINY, "--run_name", "r", "--num_epochs", "1000", "--save_every", "2"]
 PHASES = [  # where the signal arrives, the flags, what the run says, the newest checkpoint after it
     (run, "read_data", BASE, "stopped by SIGINT while reading the data: nothing saved", None),
-    (run, "compile_generation", BASE, "stopped by SIGINT before generation 1: nothing saved", None),
-    (run, "dispatch", BASE, "stopped by signal after generation 1: saved", 1),
+    (run, "compile_now", BASE, "stopped by SIGINT before generation 1: nothing saved", None),
+    (run, "Dispatched", BASE, "stopped by signal after generation 1: saved", 1),  # just dispatched
     # the validation after generation 3 is finished, then generation 4 is run and saved
     (
         run,
-        "validation_phase",
+        "validate",
         [*BASE, "--validate_every", "3"],
         "stopped by signal after generation 4: saved",
         4,
@@ -284,7 +284,7 @@ def test_a_save_dir_that_is_a_file_is_refused_in_words(tmp_path, capsys):
 def test_a_stop_signal_in_the_last_generation_lets_the_run_finish(tmp_path, monkeypatch, capsys):
     """The generation a signal interrupts is the last: the run has finished, exit 0, its end said."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "dispatch", signal_within(run, "dispatch"))
+    monkeypatch.setattr(run, "Dispatched", signal_within(run, "Dispatched"))
     result = in_process(capsys, *TINY, "--run_name", "r", "--num_epochs", "1")
     assert result.returncode == 0 and "validation bits/byte" in result.stdout, result.stderr[-2000:]
     assert checkpoints.checkpoints_in(tmp_path / "runs" / "r" / "checkpoints")[-1].name == "gen-00000001"

@@ -1,22 +1,21 @@
-"""The command line (egg/flags.py): upstream's flag names, the --algorithm upstream preset, --help,
-every flag's range in its Facts, and the forms W&B sweep agents pass."""
+"""The command line (egg/flags.py): upstream's flag names (--fast_fitness for --shaping among them),
+the --algorithm upstream preset, --help, every flag's range or choices in its Facts, variants
+tried and not adopted refused, and the forms W&B sweep agents pass."""
 
 import dataclasses
 import math
 
 import pytest
-import tyro
 import yaml
 from helpers import ROOT
 
 import run
-from egg import flags, record
+from egg import flags
 
 
 def test_upstream_flag_names_parse():
-    args = tyro.cli(
-        run.Args,
-        args=[
+    args = run.parse_args(
+        [
             "--parallel_generations_per_gpu",
             "64",
             "--num_epochs",
@@ -53,16 +52,16 @@ def test_upstream_flag_names_parse():
             "x",
             "--valid_data",
             "y",
-        ],
+        ]
     )
-    assert (args.use_clt, args.fast_fitness, args.noise_reuse, args.rank) == (False, False, 0, 2)
+    assert (args.use_clt, args.noise_reuse, args.rank) == (False, 0, 2)
     assert (args.corpus.data, args.corpus.valid_data, args.parallel_generations_per_gpu) == ("x", "y", 64)
 
 
 def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     ours = run.parse_args([])
     preset = flags.upstream_preset(run.Args)
-    assert set(preset) == {"alpha_floor", "sigma_shift", "segments", "optimizer", "fast_fitness"} | {
+    assert set(preset) == {"alpha_floor", "sigma_shift", "segments", "optimizer", "shaping"} | {
         "shared_pair_state",
         "init_std",
         "max_step",
@@ -72,15 +71,15 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     upstream = run.parse_args(["--algorithm", "upstream"])
     assert {k: flags.value(upstream, k) for k in preset} == preset
     assert flags.replace(upstream, algorithm="egg", **{k: flags.value(ours, k) for k in changed}) == ours
-    for given in (["--mlp_relu"], ["--mlp-relu=True"], ["--mlp_relu", "true"]):
-        assert run.parse_args(["--algorithm", "upstream", *given]).architecture.mlp_relu is True, given
+    for given in (["--use_clt"], ["--use-clt=True"], ["--use_clt", "true"]):
+        assert run.parse_args(["--algorithm", "upstream", *given]).use_clt is True, given
     # runs apart: the name records upstream's sigma_shift and the preset
     assert (
-        record.default_run_name(upstream)
-        == record.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
+        run.default_run_name(upstream)
+        == run.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
     )
     both = run.parse_args(["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"])
-    assert (both.fast_fitness, both.optimizer, both.architecture.mlp_relu) == (False, "momentum", False)
+    assert (both.shaping, both.optimizer, both.sigma_shift) == ("normalised", "momentum", 4)
 
 
 def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, monkeypatch):
@@ -93,6 +92,17 @@ def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, mon
     assert "--num-epochs" not in text and "{None}" not in text
     (line,) = [x for x in text.splitlines() if "--valid_data PATH" in x]
     assert "a separate validation file or folder (default: minipile's validation split, else" in line
+    assert "--shaping STR" in text and "--optimizer STR" in text
+    hints = {
+        name: next(m.help_behavior_hint for m in hint.__metadata__ if hasattr(m, "help_behavior_hint"))
+        for name, (_, hint) in flags.hints_of(run.Args).items()
+        if name in ("shaping", "optimizer")
+    }
+    assert hints["shaping"]("normalised") == (
+        "(default: normalised; one of: sign, normalised; upstream: sign; --fast_fitness: sign, "
+        "--no-fast_fitness: normalised)"
+    )
+    assert hints["optimizer"]("momentum") == "(default: momentum; one of: ztest, momentum; upstream: ztest)"
     dashes = run.parse_args(["--num-epochs", "5", "--no-use-clt", "--parallel-generations-per-gpu=8"])
     underscores = run.parse_args(["--num_epochs", "5", "--no-use_clt", "--parallel_generations_per_gpu=8"])
     assert dashes == underscores and (dashes.num_epochs, dashes.use_clt) == (5, False)
@@ -157,12 +167,13 @@ def grid(sweep: dict) -> list[dict]:
 def test_every_sweep_point_reaches_the_script_as_a_valid_configuration(file):
     sweep = yaml.safe_load((ROOT / file).read_text())
     fields = set(flags.hints_of(run.Args))
-    assert set(sweep["parameters"]) <= fields, set(sweep["parameters"]) - fields
+    names = fields | set(flags.aliases(run.Args))  # upstream's sweep names --fast_fitness
+    assert set(sweep["parameters"]) <= names, set(sweep["parameters"]) - names
     for point in grid(sweep):
         args = run.parse_args(agent_command(sweep, point))
         run.check_args(args)
         assert (
-            args.tracking.track is True
+            args.record.track is True
             and args.parallel_generations_per_gpu == point["parallel_generations_per_gpu"]
         )
         if point.get("algorithm") == "upstream":  # upstream's algorithm, as the file says
@@ -179,7 +190,7 @@ def test_sweep_booleans_reach_the_script():
     command = agent_command(sweep, values)
     args = run.parse_args(command)
     print("agent command:", " ".join(command))
-    assert args.use_clt is False and args.fast_fitness is False
+    assert args.use_clt is False and args.shaping == "normalised"
     # the upstream macro drops false booleans, so the defaults (True) would silently win
     upstream = agent_command(dict(sweep, command=["${args_no_boolean_flags}"]), values)
     assert run.parse_args(upstream).use_clt is True
@@ -192,13 +203,32 @@ def test_sweep_booleans_reach_the_script():
         (["--use_clt", "False", "--track", "--fast_fitness", "True"], False, True, True),
         (["--no-use_clt", "--no-fast_fitness", "--track=True"], False, False, True),
         (["--use-clt", "--fast-fitness=False"], True, False, False),
+        (["--fast_fitness", "--track"], True, True, True),
+        (["--shaping", "sign", "--no_use_clt"], False, True, False),
     ],
 )
 def test_boolean_forms(argv, clt, fast, track):
+    """Booleans in every form, and nano-egg's --fast_fitness in each: --shaping sign, or (False)
+    normalised."""
     args = run.parse_args(argv)
-    assert (args.use_clt, args.fast_fitness, args.tracking.track) == (clt, fast, track)
+    shaping = "sign" if fast else "normalised"
+    assert (args.use_clt, args.shaping, args.record.track) == (clt, shaping, track)
 
 
 def test_boolean_with_a_bad_value_is_refused():
     with pytest.raises(run.UserError, match="True or False"):
         run.parse_args(["--use_clt=maybe"])
+    with pytest.raises(run.UserError, match="--fast_fitness takes True or False"):
+        run.parse_args(["--fast_fitness=maybe"])
+
+
+def test_a_choice_outside_its_table_is_refused_naming_the_entries():
+    """--shaping and --optimizer take an entry of SHAPINGS and RULES, listed in --help and in the
+    refusal; a variant tried and not adopted is refused naming the last commit that has it."""
+    with pytest.raises(run.UserError, match="--shaping must be one of sign, normalised, got rank"):
+        run.check_args(run.parse_args(["--shaping", "rank"]))
+    with pytest.raises(run.UserError, match="--optimizer must be one of ztest, momentum, got sgd"):
+        run.check_args(run.parse_args(["--optimizer", "sgd"]))
+    for argv in (["--optimizer", "adam"], ["--mlp_relu"], ["--no-mlp_relu"], ["--scale_shift", "3"]):
+        with pytest.raises(run.UserError, match=f"tried and not adopted .* after commit {run.RETIRED_AFTER}"):
+            run.parse_args(argv)

@@ -11,7 +11,7 @@ from helpers import ROOT, tiny_args
 
 import bench
 import run
-from egg import hlo
+from egg import hlo, kernel
 
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
@@ -59,7 +59,7 @@ def test_the_models_product_kernels_go_by_the_name_a_trace_gives_them():
     mesh = bench.target_mesh("h100", 1)
     cfg = run.mesh_config(args, mesh)
     with bench.without_compilation_cache():
-        traced = run.make_generation_step(cfg, mesh, "train").trace(*bench.abstract_inputs(args, cfg, mesh))
+        traced = run.make_generation_step(cfg, mesh).trace(*bench.abstract_inputs(args, cfg, mesh))
         text = traced.lower().compile().as_text()
     costs = bench.pallas_costs(traced.jaxpr)
     modeled = gpu_check.modeled_times(text, costs)
@@ -79,7 +79,8 @@ def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
 
     def faulty(*operands, x_layered, interpret):  # every second call (the compiled side) is off by one
         calls.append(interpret)
-        out = run.product_kernel(*operands, x_layered=x_layered, interpret=True)
+        options = dict(x_layered=x_layered, interpret=True, arithmetic=run.ARITHMETIC)
+        out = kernel.product(*operands, **options)
         return out ^ 1 if len(calls) % 2 == 0 else out
 
     lines = gpu_check.kernel_against_interpreter("cpu", faulty, shapes)

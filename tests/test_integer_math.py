@@ -53,7 +53,6 @@ def test_log2_likelihood_matches_float64_log_softmax_over_the_whole_range():
 
 def test_layer_norm_matches_exact_integer_reference():
     rng = np.random.default_rng(1)
-    tables = run.make_tables(1)
     for n in (4, 64, 48):
         for _ in range(50):
             x = rng.integers(-127, 128, n).astype(np.int8) // rng.integers(1, 64)
@@ -61,7 +60,7 @@ def test_layer_norm_matches_exact_integer_reference():
             mean = max(1, min(127, int(np.abs(x.astype(np.int64)).sum()) // n))
             recip = round(2**run.RECIP_BITS / mean)
             want = np.clip((x.astype(np.int64) * gain * recip) >> run.RECIP_BITS, -127, 127)
-            got = np.asarray(run.layer_norm(jnp.asarray(x), jnp.asarray(gain), tables))
+            got = np.asarray(run.layer_norm(jnp.asarray(x), jnp.asarray(gain)))
             if n == 48:  # the mean is a constant multiply for non-powers of two: within one step
                 alt = [
                     np.clip((x.astype(np.int64) * gain * round(2**16 / m)) >> 16, -127, 127)
@@ -73,8 +72,19 @@ def test_layer_norm_matches_exact_integer_reference():
 
 
 def test_layer_norm_of_zeros_is_zero_not_a_division_by_zero():
-    got = run.layer_norm(jnp.zeros(8, jnp.int8), jnp.full(8, 16, jnp.int8), run.make_tables(1))
+    got = run.layer_norm(jnp.zeros(8, jnp.int8), jnp.full(8, 16, jnp.int8))
     np.testing.assert_array_equal(np.asarray(got), 0)
+
+
+def test_layer_norm_multiplier_is_the_rounded_reciprocal_of_every_mean():
+    """norm_scale gives round(2**16 / m) for every floor mean m in [1, 127] (all of them: never a
+    tie, so its (2**17 + m) // 2m is the rounding either way), from the sum |x| of n entries."""
+    for n in (4, 48, 64):
+        means = np.arange(1, 128)
+        got = np.asarray(run.norm_scale(jnp.asarray(means * n, jnp.int32), n))
+        want = [round(2**run.RECIP_BITS / m) for m in means]
+        np.testing.assert_array_equal(got, want)
+    assert int(run.norm_scale(jnp.int32(0), 8)) == 2**run.RECIP_BITS  # mean 0 counts as 1
 
 
 def test_tables_are_small():

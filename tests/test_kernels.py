@@ -1,6 +1,6 @@
-"""The GPU program on the CPU: the product kernel, interpreted by Pallas, against the layer norm,
-products and residual add that XLA computes, and a whole generation as a GPU runs it (the kernel,
-each segment's noise built where it is used) against the CPU's, bit for bit."""
+"""The GPU program on the CPU: the product kernel (egg/kernel.py), interpreted by Pallas, against the
+layer norm, products and residual add that XLA computes, and a whole generation as a GPU runs it
+(the kernel, each segment's noise built where it is used) against the CPU's, bit for bit."""
 
 import jax
 import jax.extend.core
@@ -10,7 +10,7 @@ import pytest
 from helpers import one_model_step, z_thresholds
 
 import run
-from egg import cluster
+from egg import cluster, kernel
 
 SIDES, REPEATS, PAIRS, N, M, LAYERS = 2, 2, 32, 32, 64, 3
 
@@ -34,7 +34,7 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
     three: every member's output equal to XLA's, with a layer norm before and a residual after."""
     rng = np.random.default_rng(3)
     x, w, a, b = operands(rng, groups=2)
-    tables, layer = run.make_tables(1), 1
+    layer = 1
     shifts = np.array([3, 1], np.int32)
     sides = run.make_sides(jnp.asarray(shifts), SIDES if noisy else 1)
     if not noisy:  # noise-free: the rows are one side's distinct pairs, one gain for all
@@ -42,7 +42,7 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
     gains = rng.integers(-40, 41, (LAYERS, 2, 1, PAIRS, SIDES, N) if noisy else (LAYERS, 2, 1, 1, 1, N))
     gains = gains.astype(np.int8)
     add = rng.integers(-127, 128, x.shape[:-1] + (M,)).astype(np.int8)
-    got = run.product_kernel(
+    got = kernel.product(
         x.reshape(1, 2, -1, x.shape[3] * N),
         w,
         a if noisy else None,
@@ -51,11 +51,12 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
         jnp.int32(layer),
         gains.reshape(LAYERS, 2, gains.shape[3], -1) if gain else None,
         add.reshape(2, -1, x.shape[3] * M) if residual else None,
-        False,
-        True,
+        x_layered=False,
+        interpret=True,
+        arithmetic=run.ARITHMETIC,
     )
     for g in range(2):
-        v = run.layer_norm(x, gains[layer], tables) if gain else x
+        v = run.layer_norm(x, gains[layer]) if gain else x
         nz = (a[g, layer][..., None], b[g, layer][..., None]) if noisy else None
         want = run.matmul(v, w[g, layer], nz, sides)
         want = run.clipped_add(want, add) if residual else want
@@ -68,13 +69,12 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
 
     def call(x):
         gain = jnp.ones((LAYERS, 2, PAIRS, SIDES * N), jnp.int8)
-        return run.product_kernel(
-            x, w, a, b, jnp.array([2, 3], jnp.int32), jnp.int32(0), gain, None, False, True
-        )
+        shifts, options = jnp.array([2, 3], jnp.int32), dict(x_layered=False, interpret=True)
+        return kernel.product(x, w, a, b, shifts, jnp.int32(0), gain, None, **options, arithmetic=run.ARITHMETIC)
 
     jaxpr = jax.make_jaxpr(call)(x.reshape(1, 2, -1, SIDES * N))
-    (kernel,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-    body = kernel.params["jaxpr"]
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    body = call.params["jaxpr"]
 
     def equations(j):
         for e in j.eqns:
@@ -97,8 +97,8 @@ GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)  # what make_config
 
 def counting_kernel_calls(monkeypatch) -> list:
     """A list that grows by one each time a product is traced through the kernel."""
-    calls, kernel = [], run.product_kernel
-    monkeypatch.setattr(run, "product_kernel", lambda *a: calls.append(1) or kernel(*a))
+    calls, product = [], kernel.product
+    monkeypatch.setattr(kernel, "product", lambda *a, **k: calls.append(1) or product(*a, **k))
     return calls
 
 
@@ -131,7 +131,7 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkey
     rng = np.random.default_rng(5)
     params = jax.tree.map(np.asarray, run.init_params(cpu, 1))
     states = rng.integers(-127, 128, (cpu.population, cpu.n_layer, cpu.n_embd)).astype(np.int8)
-    opt = jax.tree.map(np.asarray, run.init_optimizer(cpu))
+    opt = jax.tree.map(np.asarray, run.init_state(cpu))
     batches = rng.integers(1, 256, (2, cpu.population // 2, cpu.tokens + 1)).astype(np.uint8)
     thresholds = z_thresholds(args, cpu)
     results, calls = [], counting_kernel_calls(monkeypatch)
@@ -166,12 +166,12 @@ def test_validation_as_a_gpu_runs_it_equals_the_cpus(monkeypatch):
 
 
 def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
-    assert run.product_kernel_takes(pairs=64, distinct=32, m=64, n=256)
-    assert not run.product_kernel_takes(pairs=64, distinct=32, m=48, n=256)  # 48: not a power of two
-    assert not run.product_kernel_takes(pairs=8, distinct=8, m=64, n=64)  # fewer pairs than a tile
-    assert not run.product_kernel_takes(pairs=64, distinct=32, m=8, n=64)  # Triton's dots: 16 at least
-    assert run.product_kernel_takes(pairs=64, distinct=32, m=16, n=32)
-    assert not run.product_kernel_takes(pairs=64, distinct=32, m=64, n=16)  # 16 deep: wrong on an H200
+    assert kernel.takes(pairs=64, distinct=32, m=64, n=256)
+    assert not kernel.takes(pairs=64, distinct=32, m=48, n=256)  # 48: not a power of two
+    assert not kernel.takes(pairs=8, distinct=8, m=64, n=64)  # fewer pairs than a tile
+    assert not kernel.takes(pairs=64, distinct=32, m=8, n=64)  # Triton's dots: 16 at least
+    assert kernel.takes(pairs=64, distinct=32, m=16, n=32)
+    assert not kernel.takes(pairs=64, distinct=32, m=64, n=16)  # 16 deep: wrong on an H200
 
 
 def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch, capsys):
@@ -186,18 +186,18 @@ def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch,
     from egg import UserError
 
     mesh = bench.target_mesh("h100", 1)
-    assert run.kernel_fault(mesh.devices.flat[0]) == ""
+    assert kernel.fault(mesh.devices.flat[0], run.ARITHMETIC) == ""
     monkeypatch.delattr(pallas, "triton", raising=False)
     monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # import fails
-    fault = run.kernel_fault(mesh.devices.flat[0])
+    fault = kernel.fault(mesh.devices.flat[0], run.ARITHMETIC)
     assert fault.startswith(
         f"the GPU product kernel cannot run under JAX {jax.__version__} (ModuleNotFoundError"
     )
     monkeypatch.setattr(cluster, "population_mesh", lambda axis, devices=None: mesh)  # a GPU's mesh
     small = ["--n_embd", "8", "--n_layer", "1", "--parallel_generations_per_gpu", "16"]
-    args, _ = run.start_devices(run.parse_args(small))
-    assert args.architecture.kernels == "xla" and args.hosts.cpu_devices == 1
-    assert run.mesh_config(args, mesh).kernels == "xla"
+    args, _, cfg = run.start_devices(run.parse_args(small))
+    assert args.model.kernels == "xla" and args.cluster.cpu_devices == 1
+    assert cfg.kernels == "xla" == run.mesh_config(args, mesh).kernels
     assert capsys.readouterr().out == f"products by XLA, the same bits: {fault}\n"
     with pytest.raises(
         UserError, match=r"^--kernels pallas: the GPU product kernel cannot run .*; use --kernels xla"

@@ -35,7 +35,7 @@ def largest(key, step, **base):
 
 
 def exact_shaped_scores(fitness) -> list[int]:
-    """--no-fast_fitness scores from Python integers: sign(d) min(floor(16 |d| / mean|d|), 127)."""
+    """--shaping normalised's scores in Python integers: sign(d) min(floor(16 |d| / mean|d|), 127)."""
     diffs = [int(a) - int(b) for a, b in zip(fitness[0::2], fitness[1::2], strict=True)]
     mean = max(sum(abs(d) for d in diffs) // len(diffs), 1)
     return [((d > 0) - (d < 0)) * min(16 * abs(d) // mean, 127) for d in diffs]
@@ -95,7 +95,7 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     # the pair difference, in int32, through both shapings
     pairs = jnp.asarray([0, worst * tokens, worst * tokens, 0, worst * tokens, worst * tokens], jnp.int32)
     for fast in (True, False):
-        scores = np.asarray(run.shape_fitness(pairs, cfg._replace(fast_fitness=fast))).tolist()
+        scores = np.asarray(run.shape_fitness(pairs, cfg._replace(shaping="sign" if fast else "normalised"))).tolist()
         assert scores == ([1, -1, 0] if fast else exact_shaped_scores(np.asarray(pairs))) != [0, 0, 0]
     one_line_error(
         in_process(capsys, "--tokens_per_update", str(tokens + 1), "--group_size", "2"),
@@ -124,9 +124,9 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
 
 @pytest.mark.parametrize("use_clt", [True, False])
 def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
-    base = dict(fast_fitness=False, use_clt=use_clt, segments=1)  # every pair's score at once
+    base = dict(shaping="normalised", use_clt=use_clt, segments=1)  # every pair's score at once
     population, error = largest("parallel_generations_per_gpu", 2, **base)
-    assert "--fast_fitness" in error
+    assert "--shaping sign" in error
     cfg = run.make_config(flags.replace(run.Args(), parallel_generations_per_gpu=population, **base))
     pairs = population // 2
     bounds = run.accumulator_bounds(cfg)
@@ -158,7 +158,7 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
 
 @pytest.mark.parametrize("use_clt, fast", [(True, True), (False, True), (True, False)])
 def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
-    base = {"use_clt": use_clt, "fast_fitness": fast, "n_embd": 4, "segments": 1}
+    base = {"use_clt": use_clt, "shaping": "sign" if fast else "normalised", "n_embd": 4, "segments": 1}
     population, error = largest("parallel_generations_per_gpu", 2048, **base)
     # normalised scores: the int8 operand of Z (weighted_shift) leaves the squared weights binding
     assert ("Z of" if fast else "squared pair weights") in error
@@ -184,7 +184,7 @@ def test_bounds_count_every_segments_pairs(fast):
     allow (Z's with sign scores, the squared pair weights' with normalised ones) is 1 / S of the one without
     segments (to the search's step), and the refusal names the flag; by default a population gets
     the most segments, up to 10, that the bounds allow."""
-    base = {"n_embd": 4, "tokens_per_update": 100, "fast_fitness": fast}
+    base = {"n_embd": 4, "tokens_per_update": 100, "shaping": "sign" if fast else "normalised"}
     alone, _ = largest("parallel_generations_per_gpu", 64, segments=1, **base)
     segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
     assert ("Z of" if fast else "squared pair weights") in error and "--segments" in error

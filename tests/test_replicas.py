@@ -98,7 +98,7 @@ def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
 def test_pbt_step_ranks_copies_and_explores_deterministically():
     scores = [5.0, 3.0, 4.0, 6.0, 2.0, 7.0, 1.0, 8.0]  # best: 6, 4; worst: 7, 5
     settings = [
-        run.Replica(seed=10 + k, alpha=4.0 - k / 4, alpha_decay_timestep=1000, sigma_shift=k % 7)
+        pbt.Replica(seed=10 + k, alpha=4.0 - k / 4, alpha_decay_timestep=1000, sigma_shift=k % 7)
         for k in range(8)
     ]
     sigma = (0, 6)  # --sigma_shift's range

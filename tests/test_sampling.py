@@ -3,9 +3,9 @@ presence penalty, greedy, reproducibility, and --sample on the command line."""
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from helpers import in_process, one_line_error
 
 import run
@@ -66,11 +66,11 @@ def test_min_p_one_at_low_temperature_is_greedy_decoding():
     args = dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
 
     got = run.sample_text(params, cfg, args, seed=5).removeprefix(b"def ")
-    read, h = run.make_reader(cfg), jnp.zeros((1, cfg.n_layer, cfg.n_embd), jnp.int8)
-    h, logits, _ = read(params, h, np.frombuffer(b"\0def ", np.uint8)[None])
-    for byte in got:  # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
-        assert np.asarray(logits)[0, byte] == np.asarray(logits)[0].max()
-        h, logits, _ = read(params, h, np.array([[byte]], np.uint8))
+    text = list(b"\0def " + got)  # the prompt is read after a document separator
+    zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
+    _, _, logits = reference.member_fitness(params, None, 1, zero, text, text, 0)  # after each byte
+    for k, byte in enumerate(got):  # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
+        assert logits[4 + k][byte] == logits[4 + k].max()
     assert len(got) == 12
 
 
@@ -83,7 +83,7 @@ def test_undecodable_and_control_bytes_are_shown_safely():
 
 def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     args, cfg, params = model()
-    model_flags = {"n_embd": 16, "n_layer": 1, "mlp_relu": False}
+    model_flags = {"n_embd": 16, "n_layer": 1}
     checkpoints.save_checkpoint(
         tmp_path / "ckpt",
         params,

@@ -72,10 +72,10 @@ def step_and_evaluate(args, c, batch) -> tuple[dict, dict]:
     "overrides",
     [
         {},
-        dict(fast_fitness=False, use_clt=False, rank=3),
+        dict(shaping="sign", use_clt=False, rank=3),
         dict(rank=0),
         dict(optimizer="momentum"),
-        dict(optimizer="adam", shared_pair_state=True, mlp_relu=True),
+        dict(optimizer="momentum", shared_pair_state=False),
         dict(optimizer="ztest", null_from_scores=True),
         dict(replicas=2, replica_sigma_shift=(3, 5), replica_alpha=(0.3, 4.0), segments=3),
     ],
@@ -107,7 +107,7 @@ def test_the_cpus_step_and_validation_copy_no_weight_transposed(overrides):
 def run_generations(step, args, c, batch, generations=3):
     carry = (
         run.init_params(c, args.seed),
-        run.init_optimizer(c),
+        run.init_state(c),
         np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
     )
     thresholds = z_thresholds(args, c)
@@ -180,6 +180,6 @@ def test_state_resets_at_document_separator_and_carries_over_otherwise():
     np.testing.assert_array_equal(h_end[0], h_end[1])
     assert int(ll[0]) != int(ll[1])  # ...but the bytes before it saw the carried state
     assert np.any(np.asarray(h_end) != 0)
-    alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], 0, c.mlp_relu)
+    alone, h_alone, _ = reference.member_fitness(params, None, 1, h0[1], x[1], y[1], 0)
     assert int(alone) == int(ll[1])
     np.testing.assert_array_equal(h_alone, h_end[1])

@@ -13,7 +13,7 @@ from helpers import upstream_args as upstream
 from reference import round_half_away
 
 import run
-from egg import flags, resume
+from egg import flags
 
 
 def tiny(**overrides):
@@ -33,7 +33,7 @@ def operand_shift(c) -> int:
     sharing noise j, a an entry of A or its sign) within int8."""
     repeats = c.population // (2 * c.distinct_pairs)
     largest = (int(np.abs(run.make_tables(c.rank).gauss).max()) if c.use_clt else 1) * repeats
-    largest *= 1 if c.fast_fitness else 127
+    largest *= 1 if c.shaping == "sign" else 127
     return next(k for k in range(32) if rounded(largest, k) <= 127)
 
 
@@ -87,9 +87,9 @@ def reference_update(params, noise, scores, thresholds, c):
     [
         dict(),
         dict(use_clt=False),
-        dict(fast_fitness=False),
+        dict(shaping="normalised"),
         dict(num_perturbations=4),
-        dict(fast_fitness=False, use_clt=False, num_perturbations=2),
+        dict(shaping="normalised", use_clt=False, num_perturbations=2),
         dict(rank=0),
     ],
 )
@@ -103,7 +103,7 @@ def test_update_equals_slow_numpy_reference(overrides):
     }
     params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
     noise = run.generation_noise(c, 0, jnp.int32(3))
-    scores = np.array([1, -1, 1, 1] if c.fast_fitness else [100, -37, 5, -127])
+    scores = np.array([1, -1, 1, 1] if c.shaping == "sign" else [100, -37, 5, -127])
     # low enough that many entries move (sign mode: |Z| <= pairs * rank)
     thresholds = np.array([300, 12] if c.use_clt else [2, 1], np.int32)
     got, _, moved = es_update(params, {}, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
@@ -122,7 +122,7 @@ def test_fast_fitness_is_the_sign_of_the_pair_difference():
 
 
 def test_normalised_fitness_divides_by_mean_absolute_difference():
-    c = run.make_config(tiny(fast_fitness=False))
+    c = run.make_config(tiny(shaping="normalised"))
     fitness = np.array([100, 0, 0, 300, 5, 5, 0, 4000], np.int32)  # diffs 100, -300, 0, -4000
     mean = (100 + 300 + 0 + 4000) // 4
     want = [100 * 16 // mean, -(300 * 16 // mean), 0, -(4000 * 16 // mean)]
@@ -138,7 +138,7 @@ def test_normalised_fitness_builds_nothing_larger_than_its_scores():
     """The remainders are summed in chunks of at most INT32_MAX // pairs: a chunk no longer than
     the remainders themselves (a whole one would pad 8 pairs' remainders to 268 million)."""
     for members in (16, 4096):
-        c = run.make_config(tiny(fast_fitness=False, parallel_generations_per_gpu=members))
+        c = run.make_config(tiny(shaping="normalised", parallel_generations_per_gpu=members))
         fitness = jnp.zeros((3, members), jnp.int32)  # e.g. three segments of the population
         program = jax.make_jaxpr(lambda f, c=c: run.shape_fitness(f, c))(fitness).jaxpr
         largest = max(v.aval.size for eqn in program.eqns for v in eqn.outvars)
@@ -198,7 +198,7 @@ def test_thresholds_use_the_library_normal_quantile():
 
 
 @pytest.mark.parametrize(
-    "overrides", [dict(), dict(use_clt=False), dict(fast_fitness=False), dict(rank=3), dict(rank=0)]
+    "overrides", [dict(), dict(use_clt=False), dict(shaping="normalised"), dict(rank=3), dict(rank=0)]
 )
 def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     """With fitness unrelated to the noise, a level-alpha Z-test moves ~alpha of the entries."""
@@ -274,7 +274,7 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
     alpha, pairs = 0.2, 4096
     args = upstream(
         parallel_generations_per_gpu=2 * pairs,
-        fast_fitness=fast,
+        shaping="sign" if fast else "normalised",
         use_clt=clt,
         rank=rank,
         alpha=alpha,
@@ -298,77 +298,68 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
         assert abs(share - alpha) < 0.009, kind
 
 
-def reference_rule(z: int, m: int, v: int, threshold: int, shift: int, c) -> tuple[int, int, int]:
-    """One entry of --optimizer momentum / adam: (move, new m, new v), as docs/design.org states it."""
+def reference_rule(z: int, m: int, threshold: int, shift: int, c) -> tuple[int, int]:
+    """One entry of --optimizer momentum: (move, new m), as docs/design.org states it."""
     u = max(-127, min(127, rounded(z, shift)))
     m = m - rounded(m, c.momentum_shift) + u
-    if c.optimizer == "momentum":
-        evidence, bar = abs(m), threshold + 1  # |m| > threshold: |m| >= threshold + 1
-    else:
-        v = v - rounded(v, c.scale_shift) + abs(u)
-        evidence, bar = abs(m) * 2**run.SCALE_FRAC, threshold * v + 1
-    steps = max(k for k in range(c.max_step + 1) if evidence >= k * bar)  # k bars' worth, at most max_step
-    return ((m > 0) - (m < 0)) * steps, 0 if steps else m, v
+    bar = threshold + 1  # |m| > threshold: |m| >= threshold + 1
+    steps = max(k for k in range(c.max_step + 1) if abs(m) >= k * bar)  # bars' worth, at most max_step
+    return ((m > 0) - (m < 0)) * steps, 0 if steps else m
+
+
+def u_shifts(c) -> list[int]:
+    """docs/design.org's shift of Z to u for each kind: u's null std in [16, 32), from Z's."""
+    return [max(int(math.floor(math.log2(std))) - 4, 0) for std in run.null_std(c)]
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
         dict(optimizer="momentum"),
-        dict(optimizer="momentum", momentum_shift=1, fast_fitness=False),
-        dict(optimizer="adam"),
-        dict(optimizer="adam", momentum_shift=3, scale_shift=2, num_perturbations=4, rank=0),
+        dict(optimizer="momentum", momentum_shift=1, shaping="normalised"),
+        dict(optimizer="momentum", momentum_shift=3, num_perturbations=4, rank=0),
         dict(optimizer="momentum", max_step=3),
-        dict(optimizer="adam", max_step=2),
+        dict(optimizer="momentum", max_step=2, shaping="normalised"),
     ],
 )
-def test_momentum_and_adam_equal_an_entry_by_entry_reference_over_generations(overrides):
+def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides):
     """Four generations of es_update against reference_rule on Z from reference_z: parameters and
     the int16 state, exactly, with thresholds at alpha 0.5 so that many entries move each time."""
     args = tiny(alpha=0.5, **overrides)
     c = run.make_config(args)
     rng = np.random.default_rng(7)
     params = jax.tree.map(np.asarray, run.init_params(c, 0))
-    opt = jax.tree.map(np.asarray, run.init_optimizer(c))
-    assert opt and all(x.dtype == np.int16 for x in opt.values())
-    shifts, thresholds = run.u_shifts(c), z_thresholds(args, c)
+    state = jax.tree.map(np.asarray, run.init_state(c))
+    assert state and all(x.dtype == np.int16 for x in state.values())
+    shifts, thresholds = u_shifts(c), z_thresholds(args, c)
     ref_params = {k: v.astype(np.int64) for k, v in params.items()}
-    ref_opt = {k: v.astype(np.int64) for k, v in opt.items()}
+    ref_state = {k: v.astype(np.int64) for k, v in state.items()}
     longest = 0  # the longest move the reference made
     for generation in range(4):
         noise = run.generation_noise(c, 0, jnp.int32(generation))
-        scores = rng.integers(-1, 2, 4) if c.fast_fitness else rng.integers(-127, 128, 4)
-        params, opt, moved = jax.tree.map(
+        scores = rng.integers(-1, 2, 4) if c.shaping == "sign" else rng.integers(-127, 128, 4)
+        params, state, moved = jax.tree.map(
             np.asarray,
-            es_update(params, opt, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
+            es_update(params, state, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
         )
         for name, z in reference_z(ref_params, noise, scores, c).items():
-            kind = run.kind_of(name)
-            m, v = ref_opt[f"m/{name}"], ref_opt.get(f"v/{name}", np.zeros_like(z))
+            kind = 0 if name in run.MATRICES else 1
+            m = ref_state[f"m/{name}"]
             for index in np.ndindex(z.shape):
-                step, m[index], v[index] = reference_rule(
-                    int(z[index]),
-                    int(m[index]),
-                    int(v[index]),
-                    int(thresholds[generation][kind]),
-                    shifts[kind],
-                    c,
-                )
+                threshold = int(thresholds[generation][kind])
+                step, m[index] = reference_rule(int(z[index]), int(m[index]), threshold, shifts[kind], c)
                 ref_params[name][index] = min(127, max(-127, ref_params[name][index] + step))
                 longest = max(longest, abs(step))
-        for key in opt:
-            np.testing.assert_array_equal(opt[key], ref_opt[key], err_msg=key)
+        for key in state:
+            np.testing.assert_array_equal(state[key], ref_state[key], err_msg=key)
         for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
     assert (longest > 1) == (c.max_step > 1)  # moves of several steps were made, and only where allowed
 
 
-@pytest.mark.parametrize(
-    "optimizer, momentum_shift, fast",
-    [("momentum", 2, True), ("momentum", 4, False), ("adam", 2, True), ("adam", 3, False)],
-)
-def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, momentum_shift, fast):
+@pytest.mark.parametrize("momentum_shift, fast", [(2, True), (4, False)])
+def test_momentum_thresholds_are_calibrated_under_the_null(momentum_shift, fast):
     """Fitness unrelated to the noise for 8 x 2**momentum_shift generations, fresh noise each. The
     thresholds are those of a level-alpha test on a running sum that never restarts: in the last
     quarter such a sum (numpy, int64) passes them for alpha of the entries within 0.015, matrices
@@ -380,42 +371,34 @@ def test_momentum_and_adam_thresholds_are_calibrated_under_the_null(optimizer, m
         n_embd=4,
         n_layer=1,
         parallel_generations_per_gpu=2 * pairs,
-        optimizer=optimizer,
+        optimizer="momentum",
         momentum_shift=momentum_shift,
-        fast_fitness=fast,
+        shaping="sign" if fast else "normalised",
         alpha=alpha,
         num_epochs=1,
         segments=1,  # the null std of one segment's pairs
     )
     cfg = run.make_config(args)
-    thresholds, shifts = z_thresholds(args, cfg)[0], run.u_shifts(cfg)
-    start = run.init_optimizer(cfg)  # m at 0; adam's v at its null mean
+    thresholds, shifts, stds = z_thresholds(args, cfg)[0], u_shifts(cfg), run.null_std(cfg)
+    step = run.RULES["momentum"].step
     entries, generations = 10_000, 8 << momentum_shift
-    rule, kept = {}, {}
-    for kind, name in (("matrix", "Wf"), ("vector", "bf")):
-        first = [int(start[key].ravel()[0]) if key in start else 0 for key in (f"m/{name}", f"v/{name}")]
-        rule[kind] = [jnp.full(entries, value, jnp.int16) for value in first]
-        kept[kind] = [np.full(entries, value, np.int64) for value in first]
+    rule = {kind: jnp.zeros(entries, jnp.int16) for kind in ("matrix", "vector")}
+    kept = {kind: np.zeros(entries, np.int64) for kind in ("matrix", "vector")}
     rng = np.random.default_rng(momentum_shift + 10 * fast)
     shares = {(kind, which): [] for kind in ("matrix", "vector") for which in ("kept", "rule")}
     for generation in range(generations):
         z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries)
         for kind, z in (("matrix", z_matrix), ("vector", z_vector)):
-            index = run.VECTOR if kind == "vector" else run.MATRIX
-            u = run.standardise(jnp.asarray(z), shifts[index])
-            step, *rule[kind] = run.rule_step(jnp.asarray(z), u, *rule[kind], thresholds[index], cfg)
-            m, v = kept[kind]
+            index = 1 if kind == "vector" else 0
+            test = run.Test(jnp.int32(thresholds[index]), stds[index], jnp.zeros(1, jnp.int32))
+            moves, found = step(jnp.asarray(z), {"m": rule[kind]}, test, cfg)
+            rule[kind] = found["m"]
             u = np.clip(round_half_away(z.astype(np.int64), shifts[index]), -127, 127)
-            m = m - round_half_away(m, momentum_shift) + u
-            if optimizer == "momentum":
-                passes = np.abs(m) > thresholds[index]
-            else:
-                v = v - round_half_away(v, cfg.scale_shift) + np.abs(u)
-                passes = np.abs(m) * 2**run.SCALE_FRAC > int(thresholds[index]) * v
-            kept[kind] = [m, v]
+            m = kept[kind] - round_half_away(kept[kind], momentum_shift) + u
+            kept[kind] = m
             if generation >= generations * 3 // 4:
-                shares[kind, "kept"].append(np.mean(passes))
-                shares[kind, "rule"].append(float(np.mean(np.asarray(step) != 0)))
+                shares[kind, "kept"].append(np.mean(np.abs(m) > thresholds[index]))
+                shares[kind, "rule"].append(float(np.mean(np.asarray(moves) != 0)))
     for kind in ("matrix", "vector"):
         kept_share, rule_share = np.mean(shares[kind, "kept"]), np.mean(shares[kind, "rule"])
         print(f"{kind}: share of a running sum kept {kept_share:.4f}, of the rule {rule_share:.4f}")
@@ -456,7 +439,7 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
     alpha, pairs = 0.2, 2048
     args = upstream(
         parallel_generations_per_gpu=2 * pairs,
-        fast_fitness=fast,
+        shaping="sign" if fast else "normalised",
         alpha=alpha,
         num_epochs=1,
         null_from_scores=True,
@@ -495,9 +478,8 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
         )
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
-        return cfg.max_step, resume.training_identity(
-            args, cfg.population, cfg.max_step, np.zeros(8, np.uint8)
-        )["max_step"]
+        identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
+        return cfg.max_step, identity["max_step"]
 
     at = 2 * run.STEP2_PAIRS
     assert resolved(at - 2) == (1, 1) and resolved(at) == (2, 2)

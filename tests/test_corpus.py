@@ -1,4 +1,4 @@
-"""The bytes a run reads (egg/corpora.py and run.py's data stream): minipile converted once and read
+"""The bytes a run reads (egg/corpus.py and run.py's data stream): minipile converted once and read
 from its cache, folders, .npy arrays and the standard library, the split into training and
 validation, the sequences each generation reads, and the baselines beside every validation."""
 
@@ -13,7 +13,7 @@ import pytest
 from helpers import cli
 
 import run
-from egg import corpora, flags
+from egg import corpus, flags
 
 
 def local_minipile():
@@ -34,16 +34,16 @@ def test_minipile_is_converted_once_then_read_from_the_cache(tmp_path, monkeypat
         return local_minipile()
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr(corpora, "hub_reachable", lambda: True)
-    splits = corpora.load_minipile(str(tmp_path))
-    assert calls == [corpora.MINIPILE]
+    monkeypatch.setattr(corpus, "hub_reachable", lambda: True)
+    splits = corpus.load_minipile(str(tmp_path))
+    assert calls == [corpus.MINIPILE]
     want = b"".join(b"\0" + t.encode() for t in local_minipile()["train"]["text"])
     assert bytes(splits["train"]) == want and isinstance(splits["train"], np.memmap)
     assert bytes(splits["test"]) == b"\0test"
-    corpora.load_minipile(str(tmp_path))
-    assert calls == [corpora.MINIPILE]  # second time: the cache, no hub
-    monkeypatch.setattr(corpora, "hub_reachable", lambda: pytest.fail("touched the network"))
-    train, valid = corpora.open_data(corpora.Flags(data="minipile", dir_path=str(tmp_path)), 2048)
+    corpus.load_minipile(str(tmp_path))
+    assert calls == [corpus.MINIPILE]  # second time: the cache, no hub
+    monkeypatch.setattr(corpus, "hub_reachable", lambda: pytest.fail("touched the network"))
+    train, valid = corpus.open_data(corpus.Flags(data="minipile", dir_path=str(tmp_path)), 2048)
     assert bytes(train) == want and bytes(valid) == b"\0held out text" * 40
     assert not list(tmp_path.glob("*.tmp*"))
 
@@ -56,7 +56,7 @@ def test_conversion_streams_batches(tmp_path):
             for i in range(3):
                 yield {"text": [f"doc{i}-{j}" for j in range(2)]}
 
-    corpora.convert_splits({"train": Batches()}, tmp_path, "mini")
+    corpus.convert_splits({"train": Batches()}, tmp_path, "mini")
     assert (tmp_path / "mini_train.bin").read_bytes() == b"\0doc0-0\0doc0-1\0doc1-0\0doc1-1\0doc2-0\0doc2-1"
 
 
@@ -72,7 +72,7 @@ def test_baselines_match_direct_counting():
     rng = np.random.default_rng(0)
     train = rng.choice(np.frombuffer(b"aab cd\n", np.uint8), 5000).astype(np.uint8)
     rows = rng.choice(np.frombuffer(b"abcd \n", np.uint8), (4, 30)).astype(np.uint8)
-    got = corpora.measure_baselines(train, rows)
+    got = corpus.measure_baselines(train, rows)
     unigram, pairs = (
         Counter(train.tolist()),
         Counter(zip(train[:-1].tolist(), train[1:].tolist(), strict=True)),
@@ -94,9 +94,9 @@ def test_baselines_are_cached_beside_the_data(tmp_path, monkeypatch):
     data.write_bytes(b"hello world " * 100)
     train = np.memmap(data, np.uint8, mode="r")
     rows = np.asarray(train[:64]).reshape(2, 32)
-    first = corpora.cached_baselines(train, rows, str(tmp_path))
-    monkeypatch.setattr(corpora, "measure_baselines", lambda *a: pytest.fail("recomputed"))
-    assert corpora.cached_baselines(train, rows, str(tmp_path)) == first
+    first = corpus.cached_baselines(train, rows, str(tmp_path))
+    monkeypatch.setattr(corpus, "measure_baselines", lambda *a: pytest.fail("recomputed"))
+    assert corpus.cached_baselines(train, rows, str(tmp_path)) == first
     assert len(list(tmp_path.glob("baselines-*.json"))) == 1
 
 
@@ -110,33 +110,33 @@ def test_folder_corpus_is_concatenated_with_separators_and_cached(tmp_path):
     for skipped in ("__pycache__", "site-packages", ".git"):
         (folder / "sub" / skipped).mkdir()
         (folder / "sub" / skipped / "x.pyc").write_bytes(b"never")
-    corpus = corpora.load_corpus(str(folder), str(tmp_path / "cache"))
-    assert bytes(corpus) == b"\0first\0second\0third"
-    assert isinstance(corpus, np.memmap)
+    data = corpus.load_corpus(str(folder), str(tmp_path / "cache"))
+    assert bytes(data) == b"\0first\0second\0third"
+    assert isinstance(data, np.memmap)
     cached = list((tmp_path / "cache").iterdir())
     assert len(cached) == 1
     stamp = cached[0].stat().st_mtime_ns
-    corpora.load_corpus(str(folder), str(tmp_path / "cache"))
+    corpus.load_corpus(str(folder), str(tmp_path / "cache"))
     assert cached[0].stat().st_mtime_ns == stamp  # reused, not rewritten
     edited = folder / "sub" / "c.txt"
     before = edited.stat().st_mtime_ns
     edited.write_bytes(b"THIRD")  # same size, new contents: rebuilt (its time moved on, as in an edit)
     os.utime(edited, ns=(before + 10**9, before + 10**9))
-    assert bytes(corpora.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
+    assert bytes(corpus.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
     (folder / "a.txt").unlink()
-    assert bytes(corpora.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0second\0THIRD"
+    assert bytes(corpus.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0second\0THIRD"
 
 
 def test_uint8_npy_data_is_read_as_bytes(tmp_path):
     data = np.frombuffer(b"\0an array of bytes, as upstream caches minipile", np.uint8)
     np.save(tmp_path / "train.npy", data)
-    corpus = corpora.load_corpus(str(tmp_path / "train.npy"), str(tmp_path / "cache"))
-    assert corpus.dtype == np.uint8 and bytes(corpus) == data.tobytes()
+    data = corpus.load_corpus(str(tmp_path / "train.npy"), str(tmp_path / "cache"))
+    assert data.dtype == np.uint8 and bytes(data) == data.tobytes()
     assert not (tmp_path / "cache").exists()  # read in place, nothing converted
 
 
 def test_stdlib_corpus_is_python_source():
-    files = corpora.corpus_files(corpora.stdlib_folder(), ".py")
+    files = corpus.corpus_files(corpus.stdlib_folder(), ".py")
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
     assert not any("site-packages" in f.parts for f in files)
 
@@ -153,7 +153,7 @@ def test_split_batches_and_validation_rows(tmp_path):
         tokens_per_update=10,
         dir_path=str(tmp_path),
     )
-    train, valid = corpora.open_data(args.corpus, 2 * args.validation_batch_size)
+    train, valid = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     assert len(valid) == int(10240 * 0.01) and len(train) + len(valid) == 10240
     c = run.make_config(args)
     stream = run.make_stream(len(train), c)
@@ -168,5 +168,5 @@ def test_split_batches_and_validation_rows(tmp_path):
     assert rows.shape == (8, len(valid) // 8)
     other = tmp_path / "valid.bin"
     other.write_bytes(b"xy" * 100)
-    train2, valid2 = corpora.open_data(corpora.Flags(data=str(data), valid_data=str(other)), 2048)
+    train2, valid2 = corpus.open_data(corpus.Flags(data=str(data), valid_data=str(other)), 2048)
     assert len(train2) == 10240 and bytes(valid2) == b"xy" * 100
