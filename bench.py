@@ -54,7 +54,11 @@ import resource, jax, jax.numpy as jnp
 x = jnp.ones((64, 64), jnp.int8)
 jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.int32))(x).block_until_ready()
 try:
-    print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+    print(
+        next(
+            int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")
+        )
+    )
 except (OSError, StopIteration):
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
@@ -70,7 +74,9 @@ def bare_jax_rss() -> float:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # beside us on a GPU
     if jax.config.jax_platforms:
         env["JAX_PLATFORMS"] = jax.config.jax_platforms
-    result = subprocess.run([sys.executable, "-c", BARE_JAX], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", BARE_JAX], env=env, capture_output=True, text=True
+    )
     words = result.stdout.split()
     return int(words[-1]) / 2**20 if result.returncode == 0 and words else math.nan
 
@@ -112,7 +118,9 @@ def make_step(cfg: run.Config, mesh, part: str):
             noise_of = run.noise_sources(cfg, seeds, generation, start)[0]
         else:
             noise_of = lambda segment: None  # noqa: E731
-        fitness, states = run.population_fitness(cfg, params, noise_of, states, tokens, sigma_shifts)
+        fitness, states = run.population_fitness(
+            cfg, params, noise_of, states, tokens, sigma_shifts
+        )
         return params, rule_state, states, jnp.sum(fitness, axis=0), jnp.zeros((), jnp.int32)
 
     return run.on_population(local, mesh)
@@ -150,15 +158,24 @@ def full_rank_cost(args: Args, cfg: run.Config, mesh, rng, notes: list) -> tuple
     """Seconds one full-rank ES generation is estimated to take at cfg's population, from two short
     runs (FULL_RANK_PROBES) and the growth measured between them; and {population: seconds}."""
     probed = {}
-    unit = 2 * max(args.cluster.cpu_devices, 1)  # a probe's members split over the CPU's devices like the run's
-    probes = {min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES}
+    # a probe's members split over the CPU's devices like the run's
+    unit = 2 * max(args.cluster.cpu_devices, 1)
+    probes = {
+        min(-(-m // unit) * unit, args.parallel_generations_per_gpu) for m in FULL_RANK_PROBES
+    }
     for members in sorted(probes):
-        changes = dict(rank=0, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0)
-        probe = prepare_kind("probe", dataclasses.replace(args, **changes), "train", mesh, rng, notes)
+        changes = dict(
+            rank=0, parallel_generations_per_gpu=members, group_size=2, num_perturbations=0
+        )
+        probe = prepare_kind(
+            "probe", dataclasses.replace(args, **changes), "train", mesh, rng, notes
+        )
         probed[probe.cfg.population] = time_generation(probe, 1)
         del probe  # its buffers
     (small, t_small), (large, t_large) = list(probed.items())[0], list(probed.items())[-1]
-    growth = max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
+    growth = (
+        max(1.0, math.log(t_large / t_small) / math.log(large / small)) if large > small else 1.0
+    )
     return t_large * (cfg.population / large) ** growth * cfg.replicas, probed
 
 
@@ -171,10 +188,10 @@ def plan_rounds(args: Args, kinds: list[Kind], mesh, rng, budget: float, left: f
     full_rank_rounds = min(args.num_epochs, int(left / 2 / estimate) - 1)
     if full_rank_rounds < 1:
         notes.append(
-            f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured at "
-            f"population {' and '.join(map(str, probed))}, extrapolated to {kinds[0].cfg.population}); it "
-            f"needs a first and a timed one, more than half of the {left:.0f} s left; give --num_epochs to "
-            "run it"
+            f"d full-rank ES skipped: one generation is estimated at {estimate:,.0f} s (measured "
+            f"at population {' and '.join(map(str, probed))}, extrapolated to "
+            f"{kinds[0].cfg.population}); it needs a first and a timed one, more than half of the "
+            f"{left:.0f} s left; give --num_epochs to run it"
         )
     left -= max(full_rank_rounds + 1, 0) * estimate
     rounds = max(3, min(args.num_epochs, int(left / sum(kind.first for kind in kinds))))
@@ -192,26 +209,30 @@ def print_table(args: Args, kinds: list[Kind], rounds: int, mesh) -> dict[str, f
     cfg = kinds[0].cfg
     shape = f"{args.model.n_embd}D-{args.model.n_layer}L"
     model = f"model {shape} ({run.num_parameters(cfg):,} parameters)"
-    members = f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
+    members = (
+        f"population {cfg.population}, {args.tokens_per_update} tokens per member, rank {args.rank}"
+    )
     members = f"{cfg.replicas} replicas, each {members}" if cfg.replicas > 1 else members
     turns = [k.label[0] for k in kinds if not k.label.startswith("d")]
     timed = f"median of {rounds} generations each ({', '.join(turns)} taking turns)"
     cpus = args.cluster.cpu_devices
     split = f" (one CPU split into {cpus})" if cpus > 1 else ""
     print(
-        f"device: {mesh.size} x {device.platform} ({device.device_kind}){split}; {model}; {members}; {timed}"
+        f"device: {mesh.size} x {device.platform} ({device.device_kind}){split}; {model}; "
+        f"{members}; {timed}"
     )
     memory_header = f"peak {memory_kind} GiB"
     print(
-        f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} {memory_header:>18} {'temp MiB':>9}"
+        f"{'':18} {'tokens/s':>12} {'s/generation':>13} {'compile s':>10} "
+        f"{memory_header:>18} {'temp MiB':>9}"
     )
     rate = {}
     for kind in kinds:
         seconds = float(np.median(kind.seconds))
         rate[kind.label[0]] = kind.cfg.population * kind.cfg.replicas * kind.cfg.tokens / seconds
         print(
-            f"{kind.label:18} {rate[kind.label[0]]:12,.0f} {seconds:13.4f} {kind.compiled.seconds:10.1f} "
-            f"{kind.memory:18.2f} {kind.compiled.temporaries:9,.1f}"
+            f"{kind.label:18} {rate[kind.label[0]]:12,.0f} {seconds:13.4f} "
+            f"{kind.compiled.seconds:10.1f} {kind.memory:18.2f} {kind.compiled.temporaries:9,.1f}"
         )
     return rate
 
@@ -221,13 +242,14 @@ def print_ratios(kinds: list[Kind], rate: dict[str, float], bare: float, notes: 
     cfg, memory_kind = kinds[0].cfg, cluster.peak_memory()[1]
     versus = f"low-rank / full-rank ES (a/d): {rate['a'] / rate['d']:.1f}x; " if "d" in rate else ""
     print(
-        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; {versus}update share of a generation: "
-        f"{1 - rate['a'] / rate['b']:.1%}; peak {memory_kind} of training {kinds[0].memory:.2f} GiB (memory "
-        "column: the process's peak so far; temp: the compiled program's own temporaries)"
+        f"training / inference (a/c): {rate['a'] / rate['c']:.1%}; {versus}update share of a "
+        f"generation: {1 - rate['a'] / rate['b']:.1%}; peak {memory_kind} of training "
+        f"{kinds[0].memory:.2f} GiB (memory column: the process's peak so far; temp: the compiled "
+        "program's own temporaries)"
     )
     print(
-        f"peak RSS: this process {cluster.peak_rss():.2f} GiB, a bare JAX process on this machine (import, "
-        f"one jitted int8 dot) {bare:.2f} GiB"
+        f"peak RSS: this process {cluster.peak_rss():.2f} GiB, a bare JAX process on this machine "
+        f"(import, one jitted int8 dot) {bare:.2f} GiB"
     )
     if "e" in rate:
         print(
@@ -284,10 +306,11 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 # layers' for every byte and layer.
 
 TARGET_FILES = {"h100": "targets/h100_sxm.txtpb"}  # GpuTargetConfigProto text, beside run.py
-# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC); 3 us a
-# kernel is the order of back-to-back small kernels on any recent GPU
+# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC); 3 us
+# a kernel is the order of back-to-back small kernels on any recent GPU
 ROOFLINES = {"h100": hlo.Roofline("H100 SXM", 3.35e12, 1979e12 / 2, 3e-6)}
-BYTES_DEPTH, LAYERS_DEPTH = 2, 3  # the scans around a kernel that runs every byte, every byte and layer
+# the scans around a kernel that runs every byte, every byte and layer
+BYTES_DEPTH, LAYERS_DEPTH = 2, 3
 LOOPS = ("once", "per segment", "per byte", "per byte and layer")
 
 
@@ -311,7 +334,9 @@ def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
     """The generation step's arguments as shapes with their shardings on the mesh (no arrays)."""
     replicas = run.replicas_of(args)
     params, rule_state, states = jax.eval_shape(lambda: run.init_run(cfg, replicas))
-    everywhere, spread = (jax.sharding.NamedSharding(mesh, spec) for spec in (run.REPLICATED, run.SPREAD))
+    everywhere, spread = (
+        jax.sharding.NamedSharding(mesh, spec) for spec in (run.REPLICATED, run.SPREAD)
+    )
 
     def shaped(x, sharding=everywhere):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -357,7 +382,10 @@ def without_compilation_cache():
     """JAX's persistent cache cannot load a program compiled without its device back: keep such
     programs out of it (JAX decides once whether it uses the cache; a minimum compile time no
     compilation reaches keeps the entries from being written either way)."""
-    before = jax.config.jax_enable_compilation_cache, jax.config.jax_persistent_cache_min_compile_time_secs
+    before = (
+        jax.config.jax_enable_compilation_cache,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
     jax.config.update("jax_enable_compilation_cache", False)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
     try:
@@ -368,7 +396,8 @@ def without_compilation_cache():
 
 
 def compile_target(args: Args, part: str):
-    """(compiled program, its kernels, config, compile seconds) of a generation step for --target."""
+    """(compiled program, its kernels, config, compile seconds) of a generation step for
+    --target."""
     mesh = target_mesh(args.target, args.target_devices)
     cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
     run.check_bounds(cfg)
@@ -411,38 +440,53 @@ def describe_program(kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call
         "kernels": sum(k.runs for k in kernels),
         "kinds": kinds,
         "per_token": sum(k.runs for k in every_byte) / cfg.tokens,
-        "per_layer": sum(k.runs for k in kernels if k.depth >= LAYERS_DEPTH) / (cfg.tokens * cfg.n_layer),
-        "bytes_per_token_member": sum(k.runs * k.bytes for k in every_byte) / (cfg.tokens * members),
+        "per_layer": sum(k.runs for k in kernels if k.depth >= LAYERS_DEPTH)
+        / (cfg.tokens * cfg.n_layer),
+        "bytes_per_token_member": sum(k.runs * k.bytes for k in every_byte)
+        / (cfg.tokens * members),
         "tokens_per_call": tokens_per_call,
     }
 
 
-def print_target_report(args: Args, cfg: run.Config, roofline, seconds: float, kernels, figures) -> None:
+def print_target_report(
+    args: Args, cfg: run.Config, roofline, seconds: float, kernels, figures
+) -> None:
     t, i = figures["training"], figures["inference"]
     least = roofline_bytes(cfg)
     best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
     largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
     kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
-    gemms = sorted({(k.shapes, LOOPS[min(k.depth, 3)]) for k in kernels if k.kind in ("gemm", "pallas")})
-    in_layers = f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
+    gemms = sorted(
+        {(k.shapes, LOOPS[min(k.depth, 3)]) for k in kernels if k.kind in ("gemm", "pallas")}
+    )
+    in_layers = (
+        f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
+    )
     lines = [
-        f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's GPU "
-        f"pipeline, untuned GEMM tiles); model {cfg.n_embd}D-{cfg.n_layer}L; population "
-        f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in {seconds:.1f} s",
+        f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's "
+        f"GPU pipeline, untuned GEMM tiles); model {cfg.n_embd}D-{cfg.n_layer}L; population "
+        f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in "
+        f"{seconds:.1f} s",
         f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",
-        "largest kernels by bytes: " + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
+        "largest kernels by bytes: "
+        + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
         f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
         f"kernels per token: {t['per_token']:.0f} {in_layers}",
         "GEMMs (XLA's and the product kernel's): "
         + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
         "collectives per generation: "
-        + (", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"),
-        f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline {least[0]:,.0f} B); "
-        f"inference {i['bytes_per_token_member']:,.0f} B (roofline {least[1]:,.0f} B)",
-        f"modeled training tokens/s: {t['tokens_per_s']:,.0f} ({t['seconds'] * 1e3:,.2f} ms a generation, "
-        f"modeled; {t['tokens_per_s'] / best[0]:.0%} of the roofline's {best[0]:,.0f})",
-        f"modeled inference tokens/s: {i['tokens_per_s']:,.0f} ({i['seconds'] * 1e3:,.2f} ms, modeled; "
-        f"roofline {best[1]:,.0f}); training / inference: {t['tokens_per_s'] / i['tokens_per_s']:.0%}",
+        + (
+            ", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"
+        ),
+        f"bytes per token and member: {t['bytes_per_token_member']:,.0f} B (roofline "
+        f"{least[0]:,.0f} B); inference {i['bytes_per_token_member']:,.0f} B (roofline "
+        f"{least[1]:,.0f} B)",
+        f"modeled training tokens/s: {t['tokens_per_s']:,.0f} ({t['seconds'] * 1e3:,.2f} ms a "
+        f"generation, modeled; {t['tokens_per_s'] / best[0]:.0%} of the roofline's "
+        f"{best[0]:,.0f})",
+        f"modeled inference tokens/s: {i['tokens_per_s']:,.0f} ({i['seconds'] * 1e3:,.2f} ms, "
+        f"modeled; roofline {best[1]:,.0f}); training / inference: "
+        f"{t['tokens_per_s'] / i['tokens_per_s']:.0%}",
         f"cost model: each kernel max(bytes / {roofline.hbm / 1e12:.2f} TB/s, MACs / "
         f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
     ]

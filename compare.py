@@ -101,13 +101,16 @@ def read_run(folder: Path) -> dict:
     for line in lines:
         seconds += line.get("perf/seconds", 0.0) if line["generation"] > 1 else 0.0  # 1 compiles
         elapsed[line["generation"]] = seconds
-        trained += line.get("perf/tokens_per_s", 0.0) * line.get("perf/seconds", 0.0)  # bytes predicted
+        # bytes predicted
+        trained += line.get("perf/tokens_per_s", 0.0) * line.get("perf/seconds", 0.0)
         tokens[line["generation"]] = trained
         if "val/bits_per_byte" in line:  # with --replicas: the best replica's
             validation[line["generation"]] = line["val/bits_per_byte"]
             baselines = {k[4:-14]: v for k, v in line.items() if k.endswith("gram_bits_per_byte")}
             replicas = [
-                v for k, v in line.items() if k.startswith("replica/") and k.endswith("/val/bits_per_byte")
+                v
+                for k, v in line.items()
+                if k.startswith("replica/") and k.endswith("/val/bits_per_byte")
             ]
             if replicas:
                 median[line["generation"]] = statistics.median(replicas)
@@ -120,7 +123,9 @@ def read_run(folder: Path) -> dict:
     }
 
 
-def at_wall_time(run: dict, seconds: float, key: str = "validation", clock: str = "elapsed") -> float:
+def at_wall_time(
+    run: dict, seconds: float, key: str = "validation", clock: str = "elapsed"
+) -> float:
     """The last validation reached within `seconds` of training (clock "tokens": within so many
     training bytes)."""
     reached = [g for g in run[key] if run[clock][g] <= seconds]
@@ -137,7 +142,9 @@ def summarise(values: list[float]) -> str:
 
 def table(args: CompareArgs, results: dict) -> str:
     """One row per variant, one column per corpus and reporting point, baselines below."""
-    columns = [f"gen {g}" for g in args.report_at] + ([f"{args.wall_seconds:g} s"] * bool(args.wall_seconds))
+    columns = [f"gen {g}" for g in args.report_at] + (
+        [f"{args.wall_seconds:g} s"] * bool(args.wall_seconds)
+    )
     columns += [f"{args.train_bytes:.3g} B"] * bool(args.train_bytes)
     header = [f"{'variant':12}"] + [
         f"{corpus_label(c)[:12]} {col:>9}".rjust(22) for c in args.data for col in columns
@@ -145,7 +152,9 @@ def table(args: CompareArgs, results: dict) -> str:
     rows = [" ".join(header)]
     for name in parse_variants(args.variants):
         # a variant with --replicas: its best replica, and a second row for the median replica
-        with_replicas = any(r["median"] for runs in (results[c][name] for c in args.data) for r in runs)
+        with_replicas = any(
+            r["median"] for runs in (results[c][name] for c in args.data) for r in runs
+        )
         for key, label in (("validation", name), ("median", f"{name}, median")):
             if key == "median" and not with_replicas:
                 continue
@@ -157,7 +166,9 @@ def table(args: CompareArgs, results: dict) -> str:
                 if args.wall_seconds:
                     cells.append(summarise([at_wall_time(r, args.wall_seconds, key) for r in runs]))
                 if args.train_bytes:
-                    cells.append(summarise([at_wall_time(r, args.train_bytes, key, "tokens") for r in runs]))
+                    cells.append(
+                        summarise([at_wall_time(r, args.train_bytes, key, "tokens") for r in runs])
+                    )
             rows.append(" ".join([f"{label:12}"] + [c.rjust(22) for c in cells]))
     for baseline in ("unigram", "bigram"):
         cells = []
@@ -176,7 +187,8 @@ def recorded_flags(command: list[str]) -> list[str]:
 
 
 def flag_items(words: list[str]) -> list[str]:
-    """A command's words as its items: each flag with its values ("--seeds 0 1"), the script alone."""
+    """A command's words as its items: each flag with its values ("--seeds 0 1"), the script
+    alone."""
     items = []
     for word in words:
         if word.startswith("--") or not items:
@@ -192,7 +204,9 @@ def reused(earlier: Path, command: list[str]) -> dict:
     try:
         before = json.loads((earlier / "compare.json").read_text())["command"]
     except (OSError, ValueError, KeyError):
-        sys.exit(f"error: --reuse {earlier}: it records no compare.json, so its flags cannot be checked")
+        sys.exit(
+            f"error: --reuse {earlier}: it records no compare.json, so its flags cannot be checked"
+        )
     if before != recorded_flags(command):
         then, now = flag_items(before), flag_items(recorded_flags(command))
         there = ", ".join(w for w in then if w not in now) or "none"
@@ -215,7 +229,9 @@ def train(command: list[str], log: Path) -> None:
             tail = (tail + chunk)[-4096:]
     if child.wait():
         last = tail.decode(errors="replace").strip().splitlines() or ["(no message)"]
-        sys.exit(f"error: {log.stem} failed (exit {child.returncode}): {last[-1]}; its output: {log}")
+        sys.exit(
+            f"error: {log.stem} failed (exit {child.returncode}): {last[-1]}; its output: {log}"
+        )
 
 
 def compare(args: CompareArgs) -> str:
@@ -223,7 +239,9 @@ def compare(args: CompareArgs) -> str:
     table and write it beside the plot and in the comparison's folder."""
     variants = parse_variants(args.variants)
     if any(g % args.validate_every or g > args.num_epochs for g in args.report_at):
-        sys.exit("error: every --report_at must be a multiple of --validate_every, at most --num_epochs")
+        sys.exit(
+            "error: every --report_at must be a multiple of --validate_every, at most --num_epochs"
+        )
     results, runs_dir = {}, Path(args.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     todo, durations = len(args.data) * len(variants) * len(args.seeds), []
     for corpus in args.data:
@@ -233,15 +251,36 @@ def compare(args: CompareArgs) -> str:
             for seed in args.seeds:
                 run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
                 script, own = (
-                    ("baselines/backprop.py", flags[1:]) if flags[:1] == ["@backprop"] else ("run.py", flags)
+                    ("baselines/backprop.py", flags[1:])
+                    if flags[:1] == ["@backprop"]
+                    else ("run.py", flags)
                 )
-                command = [sys.executable, str(ROOT / script), *shlex.split(args.flags), *data_flags(corpus)]
+                command = [
+                    sys.executable,
+                    str(ROOT / script),
+                    *shlex.split(args.flags),
+                    *data_flags(corpus),
+                ]
                 command += ["--seed", str(seed), "--num_epochs", str(args.num_epochs)]
-                command += ["--validate_every", str(args.validate_every), "--runs_dir", str(runs_dir)]
-                command += ["--run_name", run_name, "--save_every", "0", *own]  # last: a variant's win
+                command += [
+                    "--validate_every",
+                    str(args.validate_every),
+                    "--runs_dir",
+                    str(runs_dir),
+                ]
+                # last: a variant's win
+                command += [
+                    "--run_name",
+                    run_name,
+                    "--save_every",
+                    "0",
+                    *own,
+                ]
                 todo -= 1
                 earlier = [
-                    Path(d) / run_name for d in args.reuse if (Path(d) / run_name / "metrics.jsonl").exists()
+                    Path(d) / run_name
+                    for d in args.reuse
+                    if (Path(d) / run_name / "metrics.jsonl").exists()
                 ]
                 if earlier:
                     results[corpus][name].append(reused(earlier[0], command))
@@ -257,7 +296,9 @@ def compare(args: CompareArgs) -> str:
                 train(command, runs_dir / f"{run_name}.log")
                 durations.append(time.time() - tick)
                 record = {"command": recorded_flags(command)}
-                (runs_dir / run_name / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
+                (runs_dir / run_name / "compare.json").write_text(
+                    json.dumps(record, indent=1) + "\n"
+                )
                 results[corpus][name].append(read_run(runs_dir / run_name))
     text = table(args, results)
     print(text)

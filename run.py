@@ -233,9 +233,8 @@ class Config(NamedTuple):
 
 VOCAB = 256  # bytes
 INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
-INT32_MAX = (
-    2**31 - 1
-)  # every accumulator's worst case stays at or below this (see "Integer ranges")
+# every accumulator's worst case stays at or below this (see "Integer ranges")
+INT32_MAX = 2**31 - 1
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
@@ -461,9 +460,8 @@ def perturbed_vector(p, nz, sides: Sides):
         return members(p)
     shift = sides.shift.reshape((-1, 1, 1, 1) + (1,) * (nz.ndim - 2))  # (K, 1, 1, 1, ...)
     sign = sides.sign.reshape(sides.sign.shape + (1,) * (nz.ndim - 2))
-    noise = round_shift(
-        nz[:, None, :, None], NOISE_FRAC + shift - WEIGHT_FRAC
-    )  # (K, 1, D, 1, ..., n)
+    # (K, 1, D, 1, ..., n)
+    noise = round_shift(nz[:, None, :, None], NOISE_FRAC + shift - WEIGHT_FRAC)
     return clip_int8(members(p).astype(i32) + sign * noise)
 
 
@@ -524,9 +522,8 @@ def embed(emb, tok_RxDxS, nz, sides: Sides):
     rows = emb[:, tok_RxDxS]
     if nz is None:
         return rows
-    lookup = tok_RxDxS[
-        None, ..., None, None
-    ]  # each member's byte in its pair's noise: (1, R, D, S, 1, 1)
+    # each member's byte in its pair's noise: (1, R, D, S, 1, 1)
+    lookup = tok_RxDxS[None, ..., None, None]
     if not isinstance(nz, tuple):  # --rank 0: a full (256, E) noise matrix
         row = jnp.take_along_axis(nz[:, None, :, None], lookup, axis=4)[..., 0, :]
         noise = round_shift(row, NOISE_FRAC + sides.shift[..., None] - WEIGHT_FRAC)
@@ -890,9 +887,8 @@ def normalised_scores(diff, pairs: int, axis):
     # chunks' sums c, plus floor(sum (c mod pairs) / pairs), under chunks x pairs
     # (normalised_bounds)
     rest = (size % pairs).reshape(-1)
-    chunk = min(
-        remainders_chunk(pairs), rest.size
-    )  # no longer than the remainders: no padding beyond
+    # no longer than the remainders: no padding beyond
+    chunk = min(remainders_chunk(pairs), rest.size)
     sums = jnp.sum(jnp.pad(rest, (0, -rest.size % chunk)).reshape(-1, chunk), axis=1)
     parts = jnp.stack([jnp.sum(size // pairs), jnp.sum(sums // pairs), jnp.sum(sums % pairs)])
     quotients, chunked, rests = jax.lax.psum(parts, axis) if axis is not None else parts
@@ -1360,10 +1356,11 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
         for kind, threshold in zip(("matrix", "vector"), thresholds, strict=True):
             reach = rule.reach(bounds[f"Z of a {kind} entry"][0], cfg)
             if threshold >= reach:
+                where = f"--alpha {replica.alpha:g} at population {cfg.population}"
+                beyond = f"the largest {rule.tests} a {kind} entry can reach ({reach:,})"
                 raise UserError(
-                    f"--alpha {replica.alpha:g} at population {cfg.population}: the test's threshold "
-                    f"{threshold:,} is beyond the largest {rule.tests} a {kind} entry can reach "
-                    f"({reach:,}), so nothing would ever move; use a larger --alpha or population"
+                    f"{where}: the test's threshold {threshold:,} is beyond {beyond}, so nothing "
+                    "would ever move; use a larger --alpha or population"
                 )
 
 
@@ -1394,9 +1391,8 @@ def parse_args(argv: list[str], cls: type | None = None) -> Args:
         facts = facts_of(cls)
         recorded = {k: v for k, v in recorded.items() if k not in facts or facts[k].carried}
         recorded["save_dir"] = str(folder.parent)
-        if (
-            folder.parent.name == "checkpoints"
-        ):  # <runs_dir>/<run_name>/checkpoints: that run folder
+        # <runs_dir>/<run_name>/checkpoints: that run folder
+        if folder.parent.name == "checkpoints":
             run_folder = folder.parent.parent
             recorded |= {
                 "runs_dir": str(run_folder.parent),
@@ -1418,12 +1414,10 @@ def parse_args(argv: list[str], cls: type | None = None) -> Args:
 # the identical update (update).
 
 POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
-REPLICATED = (
-    jax.sharding.PartitionSpec()
-)  # parameters, update rule state, batches: whole everywhere
-SPREAD = jax.sharding.PartitionSpec(
-    None, POP
-)  # states and fitness (K, members, ...): members spread
+# parameters, update rule state, batches: whole everywhere
+REPLICATED = jax.sharding.PartitionSpec()
+# states and fitness (K, members, ...): members spread
+SPREAD = jax.sharding.PartitionSpec(None, POP)
 
 
 def device_members(cfg: Config, batch):
@@ -1636,9 +1630,8 @@ class Data(NamedTuple):
     stream: Stream  # where every generation reads it
     valid_rows: np.ndarray  # (rows, T + 1) uint8
     rows: jax.Array  # the same, padded to an even share per device, spread over the devices
-    baselines: dict[
-        str, float
-    ]  # bits/byte of a unigram and a bigram model and gzip (egg/corpus.py)
+    # bits/byte of a unigram and a bigram model and gzip (egg/corpus.py)
+    baselines: dict[str, float]
 
 
 def read_data(args: Args, cfg: Config, mesh) -> Data:
@@ -1790,9 +1783,8 @@ def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
     generation counter only, so a run may be extended."""
     settings = {k: v for k, v in flat(args).items() if facts_of(Args)[k].training}
-    settings = {
-        k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()
-    }  # as JSON has them
+    # as JSON has them
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     fingerprint = resume.data_fingerprint(data)
     return {**settings, "max_step": cfg.max_step, "population": cfg.population, "data": fingerprint}
 

@@ -1,8 +1,9 @@
-"""Backpropagation baselines on egg-jax's bytes: what a float32 model trained with gradients (optax's
-Adam) reaches on the same training bytes, validated on the very rows run.py validates on.
+"""Backpropagation baselines on egg-jax's bytes: what a float32 model trained with gradients
+(optax's Adam) reaches on the same training bytes, validated on the very rows run.py validates on.
 
     python baselines/backprop.py --network mingru --data corpora/english_train.bin \
-        --valid_data corpora/english_valid.bin --n_embd 64 --n_layer 2 --num_epochs 3000 --validate_every 100
+        --valid_data corpora/english_valid.bin --n_embd 64 --n_layer 2 --num_epochs 3000 \
+        --validate_every 100
 
 - mingru: EGG's model in float32, layer for layer: the byte embedding, n_layer x [L1 layer norm ->
   minGRU (gate g = sigmoid(Wf a + Uf h + bf), candidate c = tanh(Wh a + Uh (g h) + bh),
@@ -47,7 +48,7 @@ from egg.flags import check_range  # noqa: E402
 @dataclass(frozen=True)
 class Args(run.Args):
     network: Literal["mingru", "transformer"] = "mingru"
-    """what to train: EGG's minGRU in float32, or a causal Transformer of the same width and depth"""
+    """what to train: EGG's minGRU in float32 or a causal Transformer of the same width and depth"""
     batch_size: int = 64
     """rows a step trains on"""
     window: int = 128
@@ -57,7 +58,8 @@ class Args(run.Args):
 
 
 # ------------------------------------------------------------------------------------------------
-# Models: init(key, args) -> params; forward(params, state, tokens (B, T)) -> (logits (B, T, 256), state)
+# Models: init(key, args) -> params; forward(params, state, tokens (B, T)) ->
+# (logits (B, T, 256), state)
 
 
 def l1_norm(x, gain):
@@ -74,7 +76,10 @@ def init_mingru(key, args: Args) -> dict:
         "head": jax.random.normal(next(keys), (run.VOCAB, n)) / math.sqrt(n),
         "ln_out": jnp.ones(n),
     }
-    for name, (rows, cols) in shapes.items():  # N(0, 1 / n_in), as EGG's products divide by sqrt(n_in)
+    for name, (
+        rows,
+        cols,
+    ) in shapes.items():  # N(0, 1 / n_in), as EGG's products divide by sqrt(n_in)
         params[name] = jax.random.normal(next(keys), (layers, rows, cols)) / math.sqrt(cols)
     params.update({name: jnp.ones((layers, n)) for name in ("ln1", "ln2")})
     params.update({name: jnp.zeros((layers, n)) for name in ("bf", "bh")})
@@ -101,7 +106,9 @@ def mingru_forward(params, h, tokens):
             h = h + g * (c - h)
             return h, h
 
-        h, hs = jax.lax.scan(byte, h0, (f_in.swapaxes(0, 1), c_in.swapaxes(0, 1), reset.swapaxes(0, 1)))
+        h, hs = jax.lax.scan(
+            byte, h0, (f_in.swapaxes(0, 1), c_in.swapaxes(0, 1), reset.swapaxes(0, 1))
+        )
         x = x + hs.swapaxes(0, 1)
         x = x + (l1_norm(x, p["ln2"]) @ p["W1"].T) @ p["W2"].T
         return x, h
@@ -158,7 +165,10 @@ def transformer_forward(params, state, tokens):
     return layer_norm(x, params["ln_out"]) @ params["head"].T, state
 
 
-MODELS = {"mingru": (init_mingru, mingru_forward), "transformer": (init_transformer, transformer_forward)}
+MODELS = {
+    "mingru": (init_mingru, mingru_forward),
+    "transformer": (init_transformer, transformer_forward),
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,7 +190,12 @@ def make_step(forward, optimizer):
 
         (value, new_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.stop_gradient(new_state), value
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            jax.lax.stop_gradient(new_state),
+            value,
+        )
 
     return step
 
@@ -210,13 +225,18 @@ def train(args: Args) -> dict:
     stride = len(train_bytes) // args.batch_size
     windows = (stride - 1) // args.window
     if windows < 1:
-        raise run.UserError(f"--data has {len(train_bytes)} bytes: too short for {args.batch_size} rows")
+        raise run.UserError(
+            f"--data has {len(train_bytes)} bytes: too short for {args.batch_size} rows"
+        )
     init, forward = MODELS[args.network]
     params = init(jax.random.key(args.seed), args)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.learning_rate))
     opt_state, step = optimizer.init(params), make_step(forward, optimizer)
     state = jnp.zeros((args.batch_size, args.model.n_layer, args.model.n_embd))
-    name = args.record.run_name or f"backprop-{args.network}-{Path(args.corpus.data).stem}-seed{args.seed}"
+    name = (
+        args.record.run_name
+        or f"backprop-{args.network}-{Path(args.corpus.data).stem}-seed{args.seed}"
+    )
     folder = Path(args.record.runs_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1) + "\n")
@@ -227,7 +247,9 @@ def train(args: Args) -> dict:
             offset = (generation % windows) * args.window
             window = np.asarray(train_bytes[starts[:, None] + offset + np.arange(args.window + 1)])
             tick = time.time()
-            params, opt_state, state, loss = jax.block_until_ready(step(params, opt_state, state, window))
+            params, opt_state, state, loss = jax.block_until_ready(
+                step(params, opt_state, state, window)
+            )
             seconds, done = time.time() - tick, generation + 1
             metrics = {
                 "train/bits_per_byte": float(loss),
@@ -237,7 +259,10 @@ def train(args: Args) -> dict:
             if done == args.num_epochs or (args.validate_every and done % args.validate_every == 0):
                 metrics["val/bits_per_byte"] = validation_bits(forward, params, rows, args)
                 metrics.update({f"val/{k}_bits_per_byte": v for k, v in baselines.items()})
-                print(f"step {done}: validation {metrics['val/bits_per_byte']:.3f} bits/byte", flush=True)
+                print(
+                    f"step {done}: validation {metrics['val/bits_per_byte']:.3f} bits/byte",
+                    flush=True,
+                )
             record.write(json.dumps({"generation": done, **metrics}) + "\n")
             record.flush()
     return metrics

@@ -6,13 +6,16 @@ flags are a group of its own (a Flags dataclass), which run.Args gathers under t
     corpus.py       training bytes: minipile, stdlib, files and folders, cached; the baselines
     checkpoints.py  checkpoint folders: written atomically, kept, read back and checked
     resume.py       which checkpoint a run continues, checked against what the run says it is
-    cluster.py      devices, processes, memory and stop signals: the mesh, host copies, the CPU split
+    cluster.py      devices, processes, memory and stop signals: the mesh, host copies, the CPU
+                    split
     supervisor.py   a several-process run's launcher: a lost process said in one line, no orphan
-    record.py       metrics.jsonl and Weights & Biases; a run's folders; what it says; asides that fail
+    record.py       metrics.jsonl and Weights & Biases; a run's folders; what it says; asides that
+                    fail
     diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
     pbt.py          replicas' settings and population-based training: exploit and explore
     sampling.py     text drawn from a model's log2-probabilities, byte by byte
-    kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic defines
+    kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic
+                    defines
     hlo.py          a compiled program's text read once: collectives, kernels and their cost
 
 Nothing here imports run.py, and nothing here reads run.py's objects: each function takes plain

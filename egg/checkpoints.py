@@ -45,11 +45,11 @@ class Flags:
     keep_checkpoints: Annotated[int, *flag("[1, inf)")] = 3
     """periodic checkpoints to keep (the best by validation is kept besides)"""
     resume: Annotated[str, *flag(carried=False)] = ""
-    """continue a run: PATH (a run folder, its checkpoints folder or one checkpoint) with that run's own
-    flags, those given here overriding them; or 'auto': the newest checkpoint in --save_dir, with the
-    flags given"""
+    """continue a run: PATH (a run folder, its checkpoints folder or one checkpoint) with that run's
+    own flags, those given here overriding them; or 'auto': the newest checkpoint in --save_dir,
+    with the flags given"""
     allow_changes: Annotated[bool, *flag(carried=False)] = False
-    """with --resume: continue although flags that change training differ from the checkpoint's (logged)"""
+    """with --resume: continue although training flags differ from the checkpoint's (logged)"""
 
 
 CHECKPOINT_FORMAT = 3  # the one format read: meta["training"] records every training setting
@@ -125,7 +125,8 @@ def read_arrays(folder: Path):
 
 
 def matches(arrays: dict, expected: dict, stored: tuple) -> bool:
-    """Whether arrays have exactly the expected names, shapes (after the `stored` axes) and dtypes."""
+    """Whether arrays have exactly the expected names, shapes (after the `stored` axes) and
+    dtypes."""
     found = {k: (v.shape, v.dtype) for k, v in arrays.items()}
     return found == {k: (stored + shape, np.dtype(dtype)) for k, (shape, dtype) in expected.items()}
 
@@ -135,9 +136,8 @@ def load_checkpoint(folder: Path, expected: Expected) -> Loaded:
     replica axis. States come back as None when the population layout differs (they cannot carry
     over), the rule state as None when the checkpoint holds none of this run's update rule."""
     params, states, rule_state, meta = read_arrays(folder)
-    stored = (
-        (expected.replicas,) if expected.replicas > 1 else ()
-    )  # the leading axis of this run's files
+    # the leading axis of this run's files
+    stored = (expected.replicas,) if expected.replicas > 1 else ()
     if not matches(params, expected.params, stored):
         held, mine = meta.get("replicas"), expected.replicas
         model = f"a {meta['model']} model" if "model" in meta else "a model of another shape"
@@ -150,9 +150,8 @@ def load_checkpoint(folder: Path, expected: Expected) -> Loaded:
         )
     if not matches({"states": states}, {"states": expected.states}, stored):
         states = None
-    rule_state = {
-        k: v for k, v in rule_state.items() if k in expected.rule_state
-    }  # what this rule keeps
+    # what this rule keeps
+    rule_state = {k: v for k, v in rule_state.items() if k in expected.rule_state}
     if not matches(rule_state, expected.rule_state, stored):
         rule_state = None
     if not stored:  # a single model's file: give it the run's replica axis of 1
@@ -232,8 +231,9 @@ class Checkpointer:
         return folder
 
     def offer_best(self, generation: int, model: tuple, val_bpb: float, extra: dict) -> None:
-        """Keep one model (params, rule_state, states without the replica axis) if its validation score
-        is the best so far: the best replica's, as a single run's checkpoint, `extra` saying which."""
+        """Keep one model (params, rule_state, states without the replica axis) if its validation
+        score is the best so far: the best replica's, as a single run's checkpoint, `extra` saying
+        which."""
         if not val_bpb < self.best:
             return
         self.best = val_bpb

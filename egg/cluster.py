@@ -92,9 +92,10 @@ def enable_compilation_cache(dir_path: str) -> None:
 def prepare(
     hosts: Flags, platform: str, members: int, unit: int, full_rank: bool, cache: str
 ) -> int:
-    """Before JAX starts: the platform (`platform`, else --platform, else JAX's choice), the CPU split
-    (returned: --cpu_devices as used, split_cpu) for these members per device, which a device's
-    share must hold in multiples of `unit`, and the compilation cache in the folder `cache`."""
+    """Before JAX starts: the platform (`platform`, else --platform, else JAX's choice), the CPU
+    split (returned: --cpu_devices as used, split_cpu) for these members per device, which a
+    device's share must hold in multiples of `unit`, and the compilation cache in the folder
+    `cache`."""
     enable_compilation_cache(cache)
     platform = platform or hosts.platform
     select_platform(platform)
@@ -134,9 +135,9 @@ def cpu_share_fits(members: int, unit: int, shards: int) -> bool:
 
 
 def split_cpu(given: int, platform: str, members: int, unit: int, one: bool) -> int:
-    """The JAX devices the host's CPU is split into (--cpu_devices as used; 1: not split), set before
-    JAX starts. XLA spreads each product of a single CPU device over the cores, which for this
-    model's small int8 products costs more than it gains (docs/design.org, "Many devices and
+    """The JAX devices the host's CPU is split into (--cpu_devices as used; 1: not split), set
+    before JAX starts. XLA spreads each product of a single CPU device over the cores, which for
+    this model's small int8 products costs more than it gains (docs/design.org, "Many devices and
     hosts"). Not split: on another platform; where XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device
     count; with `one` (several processes, which must split alike, or full-rank noise, whose every
     device builds all of it) unless given. Once JAX runs in this process its CPU devices stay as
@@ -154,8 +155,9 @@ def split_cpu(given: int, platform: str, members: int, unit: int, one: bool) -> 
         return 1
     if given and not cpu_share_fits(members, unit, given):
         raise UserError(
-            f"--cpu_devices {given} must split --parallel_generations_per_gpu {members} into equal shares, "
-            f"each a multiple of {unit} (whole groups of --group_size and of --num_perturbations)"
+            f"--cpu_devices {given} must split --parallel_generations_per_gpu {members} into equal "
+            f"shares, each a multiple of {unit} (whole groups of --group_size and of "
+            "--num_perturbations)"
         )
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -215,7 +217,8 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 def local_copy(x: jax.Array, axis: int) -> np.ndarray:
-    """This process's part of an array sharded over the population, its `axis` (no communication)."""
+    """This process's part of an array sharded over the population, its `axis` (no
+    communication)."""
     shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
     return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
 
@@ -232,7 +235,8 @@ def peak_rss() -> float:
 
 
 def peak_memory() -> tuple[float, str]:
-    """Peak device memory on an accelerator, else the process's peak resident set size: (GiB, what)."""
+    """Peak device memory on an accelerator, else the process's peak resident set size: (GiB,
+    what)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 2**30, "device memory"
@@ -240,7 +244,8 @@ def peak_memory() -> tuple[float, str]:
 
 
 def host_memory_left() -> float:
-    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is unknown)."""
+    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is
+    unknown)."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
@@ -252,8 +257,9 @@ def host_memory_left() -> float:
 
 
 def memory_left(mesh) -> tuple[float, int]:
-    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator one
-    device's (its allocator's limit less what it holds), on the CPU the host's for all of them."""
+    """(bytes free, devices sharing them) for a compiled program's temporaries: on an accelerator
+    one device's (its allocator's limit less what it holds), on the CPU the host's for all of
+    them."""
     stats = mesh.local_devices[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0), 1
@@ -277,8 +283,8 @@ def check_memory(mesh, temporaries: float, population: int, unit: int) -> None:
     )
     where = "the host" if mesh.devices.flat[0].platform == "cpu" else "a device"
     raise UserError(
-        f"population {population}: the generation step needs {need / 2**30:.1f} GiB of temporaries, "
-        f"more than the {left / 2**30:.1f} GiB free on {where}; use {advice}"
+        f"population {population}: the generation step needs {need / 2**30:.1f} GiB of "
+        f"temporaries, more than the {left / 2**30:.1f} GiB free on {where}; use {advice}"
     )
 
 
@@ -372,7 +378,8 @@ def stopped_code(stop: StopSignal) -> int:
 
 
 def ignore_stop_signals() -> None:
-    """As the process exits, its run ended: a stop signal would only interrupt JAX's exit handlers."""
+    """As the process exits, its run ended: a stop signal would only interrupt JAX's exit
+    handlers."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 

@@ -42,7 +42,7 @@ class Flags:
     dir_path: Annotated[
         str, tyro.conf.arg(help_behavior_hint="(default: cached_files/ beside run.py)")
     ] = str(BESIDE_RUN)
-    """folder for cached corpora and their baselines (minipile and folders are converted here once)"""
+    """folder for cached corpora and baselines (minipile and folders are converted here once)"""
 
 
 def stdlib_folder() -> Path:
@@ -137,7 +137,8 @@ def load_npy(path: Path, spec: str, flag: str) -> np.ndarray:
         raise UserError(f"{flag} {spec}: not a readable .npy array ({error})") from None
     if array.dtype != np.uint8 or array.ndim != 1:
         raise UserError(
-            f"{flag} {spec}: holds a {array.dtype} array of shape {array.shape}, not 1-D uint8 bytes"
+            f"{flag} {spec}: holds a {array.dtype} array of shape {array.shape}, "
+            "not 1-D uint8 bytes"
         )
     return array
 
@@ -159,7 +160,8 @@ def load_corpus(spec: str, cache_dir: str, flag: str = "--data") -> np.ndarray:
             files = [f for f in corpus_files(source) if f.stat().st_size]
             if not files:
                 raise UserError(
-                    f"{flag} {spec}: the folder holds no file with bytes in it (hidden ones skipped)"
+                    f"{flag} {spec}: the folder holds no file with bytes in it "
+                    "(hidden ones skipped)"
                 )
             path = concatenate_files(files, Path(cache_dir), source.resolve().name or "root")
         else:
@@ -194,8 +196,8 @@ def open_data(flags: Flags, least_held_out: int) -> tuple[np.ndarray, np.ndarray
 
 
 # ------------------------------------------------------------------------------------------------
-# Baselines: what a unigram and a bigram model of the training bytes and gzip -9 reach, in bits/byte,
-# on the validation rows.
+# Baselines: what a unigram and a bigram model of the training bytes and gzip -9 reach, in
+# bits/byte, on the validation rows.
 
 
 def unigram_bigram_counts(train: np.ndarray, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:

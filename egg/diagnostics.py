@@ -17,7 +17,7 @@ class Flags:
     log_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between integer-health diagnostics, logged as diag/... (0: none)"""
     debug: bool = False
-    """print the diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
+    """print diagnostics as a colour-coded table (every --log_every generations, else every 10)"""
 
 
 def tensor_stats(values: np.ndarray, limit: int) -> dict[str, float]:

@@ -19,7 +19,8 @@ from egg import UserError
 
 
 def temporary(path: Path) -> Path:
-    """The hidden name under which a file or a folder is written, or removed, before it is renamed."""
+    """The hidden name under which a file or a folder is written, or removed, before it is
+    renamed."""
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 

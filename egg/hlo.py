@@ -23,10 +23,11 @@ DTYPE_BYTES = {
 }
 DTYPE_BYTES |= {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-# opcodes that launch nothing on a GPU (bookkeeping, aliases, loop control, the second half of async pairs)
+# opcodes that launch nothing on a GPU (bookkeeping, aliases, loop control, the second half of async
+# pairs)
 NO_KERNEL = {
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done",
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+    "call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done",
     "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "async-update",
 }  # fmt: skip
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
@@ -58,7 +59,8 @@ def hlo_bytes(shapes) -> int:
 
 
 def computations(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
-    """{computation: its instructions} of a compiled module's text, and the entry computation's name."""
+    """{computation: its instructions} of a compiled module's text, and the entry computation's
+    name."""
     found, current, entry = {}, None, ""
     for line in hlo.splitlines():
         head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", line)
@@ -106,8 +108,8 @@ class Compiled(NamedTuple):
 
     def describe(self, what: str, call: str) -> str:
         return (
-            f"{what} compiled in {self.seconds:.1f} s: {self.traffic:,} bytes of cross-device traffic "
-            f"per {call} and device, {self.temporaries:,.1f} MiB of temporaries"
+            f"{what} compiled in {self.seconds:.1f} s: {self.traffic:,} bytes of cross-device "
+            f"traffic per {call} and device, {self.temporaries:,.1f} MiB of temporaries"
         )
 
 
@@ -143,12 +145,14 @@ class Kernel(NamedTuple):
     """One kernel of a compiled GPU program, as its HLO shows it."""
 
     name: str
-    kind: str  # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
+    # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
+    kind: str
     depth: (
         int  # the scans of the traced program around it (JAX's name stack: each scan a while/body)
     )
     runs: int  # times it runs per call: the trip counts of the loops around it
-    bytes: int  # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
+    # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
+    bytes: int
     macs: int  # multiply-accumulates per run (a gemm's dot; a Pallas kernel's declared flops / 2)
     shapes: (
         str  # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
@@ -166,11 +170,8 @@ class Roofline(NamedTuple):
     launch: float  # seconds a kernel costs beyond its work (launch and tail), an assumption
 
 
-ELEMENTWISE_VIEWS = (
-    "convert",
-    "bitcast",
-    "copy",
-)  # ops a fusion may apply before slicing a parameter
+# ops a fusion may apply before slicing a parameter
+ELEMENTWISE_VIEWS = ("convert", "bitcast", "copy")
 
 
 def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
@@ -181,7 +182,8 @@ def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
     users_of = {x.name: [u for u in body if x.name in u.operands] for x in body}
 
     def sliced_entries(name: str) -> int | None:
-        """Entries of `name` that its users read through slices, or None where one reads it whole."""
+        """Entries of `name` that its users read through slices, or None where one reads it
+        whole."""
         entries = 0
         for u in users_of[name]:
             if u.operands[0] != name:

@@ -21,9 +21,9 @@ from egg.flags import flag
 @dataclass(frozen=True)
 class Flags:
     replicas: Annotated[int, *flag("[1, inf)", training=True)] = 1
-    """models trained side by side in one step, each with its own seed (--seed + index) and settings below"""
+    """models trained in one step, each with its own seed (--seed + index) and settings below"""
     replica_alpha: Annotated[tuple[float, ...], *flag(training=True)] = ()
-    """--alpha of each replica, given as a list of --replicas values (empty: --alpha for every one)"""
+    """--alpha of each replica, a list of --replicas values (empty: --alpha for every one)"""
     replica_alpha_decay_timestep: Annotated[tuple[int, ...], *flag(training=True)] = ()
     """--alpha_decay_timestep of each replica, a list of --replicas values (empty: the flag's)"""
     replica_sigma_shift: Annotated[tuple[int, ...], *flag(training=True)] = ()
@@ -38,11 +38,8 @@ class Flags:
 # time, else the copy keeps the winner's.
 PBT_FACTORS = (0.8, 1.25)
 SIGMA_STEPS = (-1, 0, 0, 1)
-EXPLORED = (
-    "alpha",
-    "alpha_decay_timestep",
-    "sigma_shift",
-)  # what a copy moves (its seed stays its own)
+# what a copy moves (its seed stays its own)
+EXPLORED = ("alpha", "alpha_decay_timestep", "sigma_shift")
 PER_REPLICA = {name: f"replica_{name}" for name in EXPLORED}  # the flag that gives each replica one
 SETTING_FLAGS = ("seed", *EXPLORED, *PER_REPLICA.values())  # what a replica's settings come from
 
@@ -73,15 +70,16 @@ def single() -> dict:
 def check(flags: Flags) -> None:
     """Refuse per-replica lists of another length than --replicas, and PBT with too few replicas."""
     count = flags.replicas
-    for flag in PER_REPLICA.values():
-        given = len(getattr(flags, flag))
+    for name in PER_REPLICA.values():
+        given = len(getattr(flags, name))
         if given and given != count:
             raise UserError(
-                f"--{flag} has {given} value(s): give one per replica (--replicas {count})"
+                f"--{name} has {given} value(s): give one per replica (--replicas {count})"
             )
     if flags.pbt_every and count < 4:
         raise UserError(
-            f"--pbt_every needs --replicas 4 or more (the worst quarter copies the best), got {count}"
+            "--pbt_every needs --replicas 4 or more (the worst quarter copies the best), "
+            f"got {count}"
         )
 
 

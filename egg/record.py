@@ -1,6 +1,6 @@
-"""Where a run's metrics go: always one JSON line per logged generation in <run folder>/metrics.jsonl
-(beside config.json, the run's flags); with --track also Weights & Biases. And the metric names of
-a run of several replicas."""
+"""Where a run's metrics go: always one JSON line per logged generation in
+<run folder>/metrics.jsonl (beside config.json, the run's flags); with --track also Weights &
+Biases. And the metric names of a run of several replicas."""
 
 from __future__ import annotations
 
@@ -48,12 +48,14 @@ class Folders(NamedTuple):
     checkpoints: Path  # --save_dir, by default <run>/checkpoints
 
     def resume_target(self) -> Path:
-        """What --resume names to continue the run: its run folder, or its --save_dir if elsewhere."""
+        """What --resume names to continue the run: its run folder, or its --save_dir if
+        elsewhere."""
         return self.run if self.checkpoints == self.run / "checkpoints" else self.checkpoints
 
 
 def folders(runs_dir: str, run_name: str, save_dir: str) -> Folders:
-    """A run's Folders: <runs_dir>/<run_name>, and --save_dir or by default its checkpoints folder."""
+    """A run's Folders: <runs_dir>/<run_name>, and --save_dir or by default its checkpoints
+    folder."""
     run = Path(runs_dir) / run_name
     return Folders(run, Path(save_dir or run / "checkpoints"))
 
@@ -68,9 +70,9 @@ def logged_before(line: str, generation: int) -> bool:
 
 
 class RunRecord:
-    """A run's record in `folder` (its name the W&B run's), from `generation` on (a resumed run drops
-    what was logged after its checkpoint). Only the writer (process 0) records; the other processes'
-    record is a no-op. `flags`: with --track, the W&B run's project, entity and tag."""
+    """A run's record in `folder` (its name the W&B run's), from `generation` on (a resumed run
+    drops what was logged after its checkpoint). Only the writer (process 0) records; the other
+    processes' record is a no-op. `flags`: with --track, the W&B run's project, entity and tag."""
 
     def __init__(
         self, folder: Path, config: dict, summary: dict, generation: int, writer=True, flags=None
@@ -124,7 +126,8 @@ class RunRecord:
                     **metrics,
                     "samples/text": wandb.Table(["generation", "text"], self.samples),
                 }
-            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a histogram
+            # PBT's lineage (a list of records) as its JSON text: W&B would read a list as a
+            # histogram
             metrics = {k: json.dumps(v) if isinstance(v, list) else v for k, v in metrics.items()}
             self.wandb.log(metrics, step=generation)
 
@@ -168,7 +171,10 @@ def describe_spread(scores: list[float]) -> str:
     """' (best of K replicas, median M, worst W)', or nothing for a single run."""
     if len(scores) == 1:
         return ""
-    return f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, worst {max(scores):.2f})"
+    return (
+        f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, "
+        f"worst {max(scores):.2f})"
+    )
 
 
 def describe_end(scores: list[float], leader: int, setting: str, epochs: int) -> str:
@@ -227,7 +233,8 @@ class Console:
         self.bar.set_postfix(**shown, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}")
 
     def close(self, tokens: int) -> None:
-        """The mean throughput of the timed generations of `tokens` tokens each; the bar and record closed."""
+        """The mean throughput of the timed generations of `tokens` tokens each; the bar and record
+        closed."""
         if self.bar is not None:
             self.bar.close()
         if self.record is not None:
@@ -236,7 +243,8 @@ class Console:
         if self.timed:
             rate = tokens * len(self.timed) / sum(self.timed)
             self.log(
-                f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, excluded)"
+                f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, "
+                "excluded)"
             )
 
 
@@ -259,6 +267,6 @@ def where_it_went(folders: Folders, epochs: int, stopped: bool) -> str:
     more = "" if stopped else f" --num_epochs {2 * epochs}"
     resume = shlex.quote(str(folders.resume_target()))
     return (
-        f"the run's record: {folders.run}; its newest checkpoint: {saved[-1]}; sample: python run.py "
-        f"--sample --resume {resume}; continue: python run.py --resume {resume}{more}"
+        f"the run's record: {folders.run}; its newest checkpoint: {saved[-1]}; sample: python "
+        f"run.py --sample --resume {resume}; continue: python run.py --resume {resume}{more}"
     )

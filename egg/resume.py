@@ -61,7 +61,8 @@ def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
 
 def recorded_flags(resume: str) -> tuple[dict, Path | None]:
     """The flags a run continued by --resume PATH recorded (its checkpoint's meta.json), and that
-    checkpoint; ({}, None) for no PATH ('', auto) or an unreadable checkpoint (loading it says why)."""
+    checkpoint; ({}, None) for no PATH ('', auto) or an unreadable checkpoint (loading it says
+    why)."""
     if resume in ("", "auto"):
         return {}, None
     folder = find_checkpoints(resume, Path())[0]
@@ -88,7 +89,8 @@ def set_aside(folder: Path) -> Path | None:
 
 def check_format(meta: dict, folder: Path, identity: dict) -> None:
     """Refuse a checkpoint of another format than CHECKPOINT_FORMAT, or one that does not record a
-    setting this run's training depends on (it predates the flag), naming the commit that reads it."""
+    setting this run's training depends on (it predates the flag), naming the commit that reads
+    it."""
     found = meta.get("format", 1)
     missing = sorted(set(identity) - set(meta.get("training") or {}))
     if found == CHECKPOINT_FORMAT and not missing:
@@ -99,8 +101,9 @@ def check_format(meta: dict, folder: Path, identity: dict) -> None:
         )
     lacks = f", which records no {', '.join('--' + k for k in missing[:3])}" if missing else ""
     raise UserError(
-        f"--resume: {folder} was written by an older egg-jax (format {found}{lacks}); continue it with "
-        f"the code of commit {LAST_READER_OF_OLDER}, the last that reads it, or start a new run"
+        f"--resume: {folder} was written by an older egg-jax (format {found}{lacks}); "
+        f"continue it with the code of commit {LAST_READER_OF_OLDER}, the last that reads it, "
+        "or start a new run"
     )
 
 
@@ -115,7 +118,8 @@ class Sampled(NamedTuple):
 
 
 def replicas_held(meta: dict) -> int:
-    """The replicas a checkpoint holds (checkpoints.py's meta.json: their settings where several)."""
+    """The replicas a checkpoint holds (checkpoints.py's meta.json: their settings where
+    several)."""
     return 1 if "replica" in meta else len(meta.get("replica_settings") or [None])
 
 
@@ -211,7 +215,8 @@ def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool,
             aside = set_aside(folder) if writer else None
             moved = f"; set aside as {aside.name}" if aside else ""
             print(
-                f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; trying an older one"
+                f"warning: checkpoint {folder} is unreadable ({error.reason}){moved}; "
+                "trying an older one"
             )
             continue
         meta = {
@@ -222,7 +227,8 @@ def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool,
             if meta["training"].get(name) == value:
                 raise UserError(
                     f"--resume: {folder} was trained with --{name} {value}, tried and not adopted; "
-                    f"continue it with the code of commit {wanted.retired_after}, the last that has it"
+                    f"continue it with the code of commit {wanted.retired_after}, "
+                    "the last that has it"
                 )
         check_format(meta, folder, wanted.identity)
         changes = training_changes(meta["training"], wanted.identity, wanted.conditions)
@@ -233,16 +239,17 @@ def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool,
             )
         if loaded.states is None:
             print(
-                f"warning: {folder} was trained with another population layout: hidden states restart at zero"
+                f"warning: {folder} was trained with another population layout: "
+                "hidden states restart at zero"
             )
         if loaded.rule_state is None:
             print(f"warning: {folder} holds no state of this run's update rule: it starts afresh")
         later = [c for c in checkpoints_in(save_dir) if c.name > folder.name]
         if how != "auto" and later and folder.parent.resolve() == save_dir.resolve():
             raise UserError(
-                f"--resume {how}: {save_dir} holds later checkpoints ({later[-1].name}), which this run "
-                f"would mix with its own: resume the newest (--resume {save_dir}), or give this run "
-                "another --run_name or --save_dir"
+                f"--resume {how}: {save_dir} holds later checkpoints ({later[-1].name}), which "
+                f"this run would mix with its own: resume the newest (--resume {save_dir}), "
+                "or give this run another --run_name or --save_dir"
             )
         if writer and i > 0:
             write_atomic(save_dir / "LATEST", folder.name.encode())

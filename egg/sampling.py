@@ -29,7 +29,7 @@ class Flags:
     presence_penalty: float = 0.2
     """bits subtracted from the log2-probability of every byte already generated"""
     sample_replica: int = -1
-    """--sample from a checkpoint of several replicas: which one (-1: the best by its last validation)"""
+    """--sample from a checkpoint of several replicas: which one (-1: best by last validation)"""
     sample_every: Annotated[int, *flag("[0, inf)")] = 0
     """generations between samples printed (and logged) during training (0: none)"""
 
@@ -74,7 +74,8 @@ CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but
 
 def printable(data: bytes) -> str:
     """Bytes as text a terminal shows as it is: UTF-8 decoded; undecodable bytes and control
-    characters (ESC, BEL, CR, byte 0...) but newline and tab as escapes, \\xNN (\\u00NN above 127)."""
+    characters (ESC, BEL, CR, byte 0...) but newline and tab as escapes, \\xNN (\\u00NN above
+    127)."""
     text = data.decode("utf-8", errors="backslashreplace")
     return CONTROL.sub(
         lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 128 else f"\\u{ord(m[0]):04x}", text

@@ -110,24 +110,23 @@ def report_lost_process(script: Path, argv: list[str], log: str, folders: Folder
     )
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     print(
-        f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: {record}); "
-        f"{newest}; resume with: {resume_command(script, argv, folders)}",
+        f"error: {lost_processes(log)} stopped answering (JAX ended this one at {when}; its log: "
+        f"{record}); {newest}; resume with: {resume_command(script, argv, folders)}",
         file=sys.stderr,
     )
 
 
 def supervise(script: Path, argv: list[str], folders: Folders, process: int) -> int:
     """Run `script` with argv as a child and stand by; return the exit code (`folders`: where the
-    run writes; `process`: its index, as given). The child's output, exit code and the stop signals this process is sent pass through, and
-    the child dies with it; JAX's account of a lost process is kept in <run folder>/process-N-lost.log
-    and said in one line (EXIT_PROCESS_LOST)."""
+    run writes; `process`: its index, as given). The child's output, exit code and the stop signals
+    this process is sent pass through, and the child dies with it; JAX's account of a lost process
+    is kept in <run folder>/process-N-lost.log and said in one line (EXIT_PROCESS_LOST)."""
     env, command = (
         {**os.environ, SUPERVISED: str(os.getpid())},
         [sys.executable, str(script), *argv],
     )
-    child = subprocess.Popen(
-        command, env=env, stderr=subprocess.PIPE
-    )  # it binds itself: supervised()
+    # it binds itself: supervised()
+    child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
     for sig in (signal.SIGTERM, signal.SIGINT):  # the child saves and stops; this waits for it
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     log = "\n".join(relay_stderr(child))

@@ -61,18 +61,34 @@ class Args:
 # Expected results: (size in bytes, sha256) of every file, and the versions of the sources.
 
 EXPECTED = {
-    "english_train.bin": (9_424_515, "860f2390010948529ac984d35ce9ccf1071b4050c186997733b6aab9bf4bc9b3"),
-    "english_valid.bin": (95_198, "55faa6ff8f931c338f59dbd66db35fa4e9708d2b65185fd8a32d80a8b7634f46"),
-    "python_train.bin": (31_211_744, "674a547e84a6863542c3d58ec68fa9405537fce43482396584798ef767c8927c"),
-    "python_valid.bin": (315_270, "f04daf29709d1d051259b0a6079b2de5a1b6684ee0920b1b42cb5e507d986bdd"),
-    "docs_train.bin": (17_938_512, "31e1292643a5b9a5424e9a1160f40a44ca93bd311af715d5df0fa6c7d2876029"),
+    "english_train.bin": (
+        9_424_515,
+        "860f2390010948529ac984d35ce9ccf1071b4050c186997733b6aab9bf4bc9b3",
+    ),
+    "english_valid.bin": (
+        95_198,
+        "55faa6ff8f931c338f59dbd66db35fa4e9708d2b65185fd8a32d80a8b7634f46",
+    ),
+    "python_train.bin": (
+        31_211_744,
+        "674a547e84a6863542c3d58ec68fa9405537fce43482396584798ef767c8927c",
+    ),
+    "python_valid.bin": (
+        315_270,
+        "f04daf29709d1d051259b0a6079b2de5a1b6684ee0920b1b42cb5e507d986bdd",
+    ),
+    "docs_train.bin": (
+        17_938_512,
+        "31e1292643a5b9a5424e9a1160f40a44ca93bd311af715d5df0fa6c7d2876029",
+    ),
     "docs_valid.bin": (181_198, "6132f8cac5c2e3f67b84c464146bd395cc8ac1a154be822299eb32898cbe45fd"),
 }
 
 VIM_DOC = Path("/usr/share/vim/vim90/doc")
 VIM_VERSION = "Debian 12's vim-runtime 2:9.0.1378"
 VIM_FILES = 151  # its doc/*.txt: 9,519,713 bytes with the 0 bytes
-PYTHON_VERSION = (3, 11, 7)  # its standard library: 1,790 .py files, 31,527,014 bytes with the 0 bytes
+# its standard library: 1,790 .py files, 31,527,014 bytes with the 0 bytes
+PYTHON_VERSION = (3, 11, 7)
 
 # Source archives of the docs corpus, in the corpus's order: (file name, documentation folder inside
 # it, sha256 as PyPI publishes it, URL). The folder is relative to the archive's top folder
@@ -184,7 +200,9 @@ def report(name: str, size: int, digest: str, verdict: str) -> None:
 def english() -> tuple[dict[str, bytes], str]:
     files = sorted(VIM_DOC.glob("*.txt"))
     if not files:
-        raise SourceError(f"english: no {VIM_DOC}/*.txt; install them with `apt-get install vim-runtime`")
+        raise SourceError(
+            f"english: no {VIM_DOC}/*.txt; install them with `apt-get install vim-runtime`"
+        )
     train, valid = split_share(join_documents(f.read_bytes() for f in files))
     count = f"{len(files)} files" + (f", not {VIM_FILES}" if len(files) != VIM_FILES else "")
     blame = f"the Vim help files in {VIM_DOC} ({count}) are not {VIM_VERSION}'s"
@@ -195,12 +213,16 @@ def python() -> tuple[dict[str, bytes], str]:
     sys.path.insert(0, str(ROOT))
     from egg import corpus  # its two functions define --data stdlib's bytes
 
-    data = join_documents(f.read_bytes() for f in corpus.corpus_files(corpus.stdlib_folder(), ".py"))
+    data = join_documents(
+        f.read_bytes() for f in corpus.corpus_files(corpus.stdlib_folder(), ".py")
+    )
     # run.py's split of --data stdlib (open_data): the last max(2 * batch, 1%) bytes are validation
     held_out = max(2 * STDLIB_VALIDATION_BATCH, int(len(data) * STDLIB_VALID_FRACTION))
     version = ".".join(map(str, sys.version_info[:3]))
     expected = ".".join(map(str, PYTHON_VERSION))
-    blame = f"this Python's standard library ({version}, {corpus.stdlib_folder()}) is not {expected}'s"
+    blame = (
+        f"this Python's standard library ({version}, {corpus.stdlib_folder()}) is not {expected}'s"
+    )
     if sys.version_info[:3] != PYTHON_VERSION:
         blame = f"the hashes are Python {expected}'s standard library, and this is Python {version}"
     return {"python_train.bin": data[:-held_out], "python_valid.bin": data[-held_out:]}, blame
@@ -228,7 +250,11 @@ def documentation(archive: bytes, folder: str) -> list[tuple[str, bytes]]:
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         for member in tar.getmembers():
             _, _, inside = member.name.partition("/")  # drop the archive's top folder NAME-VERSION/
-            if member.isfile() and inside.startswith(folder + "/") and inside.endswith(DOCS_SUFFIXES):
+            if (
+                member.isfile()
+                and inside.startswith(folder + "/")
+                and inside.endswith(DOCS_SUFFIXES)
+            ):
                 documents.append((member.name, tar.extractfile(member).read()))
     return documents
 
@@ -237,10 +263,16 @@ def docs(out: Path) -> tuple[dict[str, bytes], str]:
     documents = []
     for name, folder, digest, url in DOCS_ARCHIVES:
         found = sorted(documentation(download(url, out / "downloads" / name, digest), folder))
-        print(f"{name:30} {folder + '/':6} {len(found):4} files {sum(len(d) for _, d in found):>11,} bytes")
+        print(
+            f"{name:30} {folder + '/':6} {len(found):4} files "
+            f"{sum(len(d) for _, d in found):>11,} bytes"
+        )
         documents += found
     train, valid = split_share(join_documents(data for _, data in documents))
-    blame = "the archives matched, so their files were read or ordered differently (a change to this script?)"
+    blame = (
+        "the archives matched, so their files were read or ordered differently "
+        "(a change to this script?)"
+    )
     return {"docs_train.bin": train, "docs_valid.bin": valid}, blame
 
 
@@ -249,7 +281,8 @@ def docs(out: Path) -> tuple[dict[str, bytes], str]:
 
 
 def build(name: str, args: Args) -> bool:
-    """Build one corpus; write its files only if all of them match (or if allowed). True: written."""
+    """Build one corpus; write its files only if all of them match (or if allowed). True:
+    written."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files, blame = {"english": english, "python": python, "docs": lambda: docs(out)}[name]()

@@ -13,7 +13,7 @@
    beside the cost model's time for the same kernels of the same compiled program;
 and prints each table as it is measured, then all of them again, last.
 
-    python scripts/gpu_check.py                        # on the GPU machine, from the repository root
+    python scripts/gpu_check.py                       # on the GPU machine, from the repository root
     python scripts/gpu_check.py --platform cpu --quick   # its CPU part (what the tests run)
 
 A GPU image may lack run.py's command-line packages: carry them as wheels, e.g.
@@ -37,18 +37,33 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_model_reference.py", "tests/test_step.py", "tests/test_update.py", "tests/test_noise.py"]
+TESTS = [
+    "tests/test_model_reference.py",
+    "tests/test_step.py",
+    "tests/test_update.py",
+    "tests/test_noise.py",
+]
 SMALL_RUN = (
-    "--data tests/data/words.txt --n_embd 16 --n_layer 2 --parallel_generations_per_gpu 64 --group_size 4 "
-    "--tokens_per_update 16 --validation_batch_size 8 --validation_tokens 32 --num_epochs 20 --save_every 20"
+    "--data tests/data/words.txt --n_embd 16 --n_layer 2 --parallel_generations_per_gpu 64 "
+    "--group_size 4 --tokens_per_update 16 --validation_batch_size 8 --validation_tokens 32 "
+    "--num_epochs 20 --save_every 20"
 ).split()
 BENCHMARKS = {  # name: (flags, timed generations)
-    "64D-2L, population 4096": ("--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 4096".split(), 10),
+    "64D-2L, population 4096": (
+        "--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 4096".split(),
+        10,
+    ),
     "256D-6L, population 1024": ("--parallel_generations_per_gpu 1024".split(), 5),
-    "256D-6L, population 32768": ("--parallel_generations_per_gpu 32768 --group_size 512".split(), 3),
+    "256D-6L, population 32768": (
+        "--parallel_generations_per_gpu 32768 --group_size 512".split(),
+        3,
+    ),
 }
 QUICK_BENCHMARKS = {
-    "16D-1L, population 64": ("--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64".split(), 2)
+    "16D-1L, population 64": (
+        "--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64".split(),
+        2,
+    )
 }
 
 
@@ -116,7 +131,14 @@ def same_training(platform: str, out: Path) -> list[str]:
     return digests
 
 
-KERNEL_SHAPES = ((32, 16, 16), (64, 64, 64), (64, 256, 16), (256, 64, 16), (1024, 256, 16))  # n, m, pairs
+# n, m, pairs
+KERNEL_SHAPES = (
+    (32, 16, 16),
+    (64, 64, 64),
+    (64, 256, 16),
+    (256, 64, 16),
+    (1024, 256, 16),
+)
 
 
 def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES) -> list[str]:
@@ -124,7 +146,8 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
     interpreter on the same device (on the CPU both interpret), on random int8 operands: every
     shape (inputs n, outputs m, pairs) with and without noise, gain and residual
     (a residual where m = n). A line per case that differs, then one line for all of them.
-    `kernel`: egg/kernel.py's, with run.py's arithmetic, unless given (the tests give a faulty one)."""
+    `kernel`: egg/kernel.py's, with run.py's arithmetic, unless given (the tests give a faulty
+    one)."""
     import itertools  # noqa: PLC0415
 
     os.environ["JAX_PLATFORMS"] = platform
@@ -152,21 +175,28 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
         residual = r8(1, pairs, sides * m) if added else None
         operands = (x, w, a, b, jnp.asarray([2], jnp.int32), jnp.int32(1), gain, residual)
         outs = [
-            np.asarray(jax.jit(partial(kernel, x_layered=True, interpret=interpret))(*operands)).astype(int)
+            np.asarray(
+                jax.jit(partial(kernel, x_layered=True, interpret=interpret))(*operands)
+            ).astype(int)
             for interpret in (True, platform == "cpu")
         ]
         differ, cases = np.count_nonzero(outs[0] != outs[1]), cases + 1
         if differ:
             worst = int(np.abs(outs[0] - outs[1]).max())
-            what = f"n {n}, m {m}, {pairs} pairs, noise {noisy:d}, gain {gained:d}, residual {added:d}"
+            what = (
+                f"n {n}, m {m}, {pairs} pairs, noise {noisy:d}, gain {gained:d}, residual {added:d}"
+            )
             lines.append(f"  {what}: {differ} of {outs[0].size} outputs differ, by up to {worst}")
     verdict = f"{len(lines)} DIFFER" if lines else "all equal"
-    return [*lines, f"the product kernel on {platform} against its interpreter: {cases} cases, {verdict}"]
+    return [
+        *lines,
+        f"the product kernel on {platform} against its interpreter: {cases} cases, {verdict}",
+    ]
 
 
-# (pairs, outputs m, depth, members) of an s8 x s8 -> s32 product as XLA holds them in a small model's
-# program: --rank 0's noise term (a noise matrix per pair times the pair's two members' inputs) and the
-# shared product (one batch), 16 deep (a 16D model), 32 and 64 deep
+# (pairs, outputs m, depth, members) of an s8 x s8 -> s32 product as XLA holds them in a small
+# model's program: --rank 0's noise term (a noise matrix per pair times the pair's two members'
+# inputs) and the shared product (one batch), 16 deep (a 16D model), 32 and 64 deep
 DOT_SHAPES = tuple(
     (pairs, m, depth, members)
     for pairs in (1, 4)
@@ -196,7 +226,8 @@ def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> li
     lines = []
     for pairs, m, depth, members in shapes:
         w = rng.integers(-127, 128, (pairs, m, depth)).astype(np.int8)
-        x = rng.integers(-300, 301, (pairs, depth, members)).astype(np.int32)  # some beyond the clip
+        # some beyond the clip
+        x = rng.integers(-300, 301, (pairs, depth, members)).astype(np.int32)
         want = np.einsum("pmk,pkn->pmn", w.astype(np.int64), np.clip(x, -127, 127).astype(np.int64))
         got = np.asarray(product(jnp.asarray(w), jnp.asarray(x))).astype(np.int64)
         if differ := np.count_nonzero(got != want):
@@ -204,13 +235,20 @@ def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> li
             what = f"{pairs} x ({m}, {depth}) x ({depth}, {members})"
             lines.append(f"  {what}: {differ} of {want.size} outputs differ, by up to {worst}")
     verdict = f"{len(lines)} DIFFER" if lines else "all equal"
-    return [*lines, f"XLA's int8 products on {platform} against numpy: {len(shapes)} shapes, {verdict}"]
+    return [
+        *lines,
+        f"XLA's int8 products on {platform} against numpy: {len(shapes)} shapes, {verdict}",
+    ]
 
 
-def benchmark_lines(flags: list[str], generations: int, platform: str) -> tuple[list[str], list[str]]:
+def benchmark_lines(
+    flags: list[str], generations: int, platform: str
+) -> tuple[list[str], list[str]]:
     """(measured table lines, modeled report lines) of one configuration; a run that fails gives one
     FAILED line with its last error line instead (the other configurations still run)."""
-    measured = run_py(*flags, "--num_epochs", str(generations), platform=platform, script="bench.py")
+    measured = run_py(
+        *flags, "--num_epochs", str(generations), platform=platform, script="bench.py"
+    )
     modeled = run_py("--target", "h100", *flags, platform="cpu", script="bench.py")
     for done in (measured, modeled):
         if done.returncode:
@@ -278,13 +316,17 @@ def modeled_times(hlo: str, pallas_costs: dict) -> dict[str, float]:
     run, bench = run_module(), bench_module()
     roofline, modeled = bench.ROOFLINES["h100"], {}
     for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
-        seconds = k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
+        seconds = k.runs * (
+            max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch
+        )
         name = run.kernel.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
         modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
     return modeled
 
 
-def compare_kernels(measured: dict[str, float], modeled: dict[str, float], top: int = 12) -> list[str]:
+def compare_kernels(
+    measured: dict[str, float], modeled: dict[str, float], top: int = 12
+) -> list[str]:
     """The longest kernels measured, each beside its modeled time (names as XLA gives them)."""
     lines = [f"{'kernel':44} {'measured us':>12} {'modeled us':>11}"]
     for name, us in sorted(measured.items(), key=lambda item: -item[1])[:top]:
@@ -308,11 +350,15 @@ def main(args: Args) -> int:
             cwd=ROOT,
             env=env,
         )
-        results.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
+        results.append(
+            f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}"
+        )
     results += kernel_against_interpreter(
         args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
     )
-    results += xla_dots_against_numpy(args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES)
+    results += xla_dots_against_numpy(
+        args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
+    )
     digests = same_training(args.platform, out)
     same = len(set(digests)) == 1
     verdict = "identical" if same else "DIFFERENT: a bug"
@@ -323,11 +369,21 @@ def main(args: Args) -> int:
     for name, (flags, generations) in (QUICK_BENCHMARKS if args.quick else BENCHMARKS).items():
         table, report = benchmark_lines(flags, generations, args.platform)
         measured, modeled = profile_generation(flags, args.platform, out)
-        section = [f"== {name}: bench.py (measured)", *table, "-- bench.py --target h100 (modeled)", *report]
-        section += ["-- one training generation, kernel by kernel", *compare_kernels(measured, modeled)]
+        section = [
+            f"== {name}: bench.py (measured)",
+            *table,
+            "-- bench.py --target h100 (modeled)",
+            *report,
+        ]
+        section += [
+            "-- one training generation, kernel by kernel",
+            *compare_kernels(measured, modeled),
+        ]
         print(*section, sep="\n", flush=True)  # as it comes: a run cut short keeps what it measured
         tables += section
-    print("\n".join([*tables, *results, f"(gpu_check: {time.time() - started:.0f} s, logs in {out})"]))
+    print(
+        "\n".join([*tables, *results, f"(gpu_check: {time.time() - started:.0f} s, logs in {out})"])
+    )
     return 0 if same and all("FAILED" not in line for line in results + tables) else 1
 
 

@@ -6,7 +6,8 @@ temporary folder, never into the project.
     pip install scipy   # upstream imports it
     python scripts/side_by_side.py NANO_EGG corpora/english_train.bin corpora/english_valid.bin \
         --num_epochs 1000 --validate_every 100 --jsonl sbs.jsonl \
-        --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256 --tokens_per_update 100 --seed 0"
+        --flags="--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256 \
+            --tokens_per_update 100 --seed 0"
     python scripts/side_by_side.py NANO_EGG TRAIN VALID --only upstream --flags="..."
 
 NANO_EGG is a clone or a bare snapshot of github ESHyperscale/nano-egg (its run.py at --revision is
@@ -14,8 +15,8 @@ used). Both scripts get `--validation_batch_size 64 --num_epochs N --validate_ev
 FLAGS with names both know (--n_embd, --n_layer, --alpha, --sigma_shift, --seed, ...), and always
 --parallel_generations_per_gpu and --tokens_per_update (the two scripts' defaults differ). Upstream
 reads its data from cached_files/minipile_{train,valid,test}.npy beside its run.py: they are written
-there from TRAIN and VALID (test is VALID). Upstream needs about 17 GiB of memory whatever the model's
-size (its 2**28-entry log table is built in float64): run nothing else large beside it.
+there from TRAIN and VALID (test is VALID). Upstream needs about 17 GiB of memory whatever the
+model's size (its 2**28-entry log table is built in float64): run nothing else large beside it.
 
 Upstream's numbers are reported as it prints them. Its validation metric reads about 0.03 bits/byte
 lower than exact (its integer log-softmax truncates). It prints a generation's throughput every 10th
@@ -90,7 +91,9 @@ class Side:
     log: Path
 
 
-def run_logged(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> tuple[float, float]:
+def run_logged(
+    command: list[str], cwd: Path, log: Path, env: dict[str, str]
+) -> tuple[float, float]:
     """Run `command`, its output to `log`. (Wall seconds, peak RSS in GiB): os.wait4 gives this
     child's own resource use, where RUSAGE_CHILDREN would be the maximum over every child so far."""
     print(f"running (in {cwd}) {shlex.join(command)}", flush=True)
@@ -101,7 +104,9 @@ def run_logged(command: list[str], cwd: Path, log: Path, env: dict[str, str]) ->
     child.returncode = os.waitstatus_to_exitcode(status)  # so Popen does not wait on it again
     wall = time.perf_counter() - start
     if child.returncode:
-        raise SystemExit(f"error: {command[1]} in {cwd} failed (exit {child.returncode}); see {log}")
+        raise SystemExit(
+            f"error: {command[1]} in {cwd} failed (exit {child.returncode}); see {log}"
+        )
     return wall, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
@@ -116,7 +121,9 @@ def population_and_tokens(flags: list[str]) -> tuple[int, int]:
             elif flag.startswith(name + "="):
                 values[name] = int(flag.partition("=")[2])
         if name not in values:
-            raise SystemExit(f"error: give {name} in --flags, so that both scripts use the same value")
+            raise SystemExit(
+                f"error: give {name} in --flags, so that both scripts use the same value"
+            )
     return values["--parallel_generations_per_gpu"], values["--tokens_per_update"]
 
 
@@ -128,7 +135,8 @@ def upstream_source(args: Args) -> bytes:
     if shown.returncode:
         why = shown.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["git failed"]
         raise SystemExit(
-            f"error: --nano_egg {args.nano_egg} --revision {args.revision}: no run.py there ({why[0]})"
+            f"error: --nano_egg {args.nano_egg} --revision {args.revision}: no run.py there "
+            f"({why[0]})"
         )
     return shown.stdout
 
@@ -142,7 +150,11 @@ def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
     for split, data in (("train", train), ("valid", valid), ("test", valid)):
         np.save(folder / "cached_files" / f"minipile_{split}.npy", data)
     # HF_HOME: upstream keeps its compilation cache under it; offline and no W&B, whatever is set
-    env = os.environ | {"HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = os.environ | {
+        "HF_HOME": str(work / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
     log = work / "upstream.log"
     wall, rss = run_logged([sys.executable, "-u", "run.py", *common], folder, log, env)
 
@@ -157,24 +169,54 @@ def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
     seconds = [per_generation / r for r in rates] or [float("nan")]
     mean = statistics.mean(seconds)
     return Side(
-        "upstream", validation, mean, statistics.median(seconds), per_generation / mean, rss, wall, log
+        "upstream",
+        validation,
+        mean,
+        statistics.median(seconds),
+        per_generation / mean,
+        rss,
+        wall,
+        log,
     )
 
 
 def run_ours(args: Args, work: Path, common: list[str]) -> Side:
     """Our run.py, its runs and caches in the temporary folder (nothing written to the project)."""
     log = work / "ours.log"
-    command = [sys.executable, "-u", str(ROOT / "run.py"), "--data", args.train, "--valid_data", args.valid]
-    command += [*common, "--save_every", "0", "--runs_dir", str(work / "runs"), "--run_name", "ours"]
+    command = [
+        sys.executable,
+        "-u",
+        str(ROOT / "run.py"),
+        "--data",
+        args.train,
+        "--valid_data",
+        args.valid,
+    ]
+    command += [
+        *common,
+        "--save_every",
+        "0",
+        "--runs_dir",
+        str(work / "runs"),
+        "--run_name",
+        "ours",
+    ]
     command += ["--dir_path", str(work / "cache")]
     wall, rss = run_logged(command, ROOT, log, dict(os.environ))
-    lines = [json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()]
-    validation = {x["generation"]: x["val/bits_per_byte"] for x in lines if "val/bits_per_byte" in x}
+    lines = [
+        json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()
+    ]
+    validation = {
+        x["generation"]: x["val/bits_per_byte"] for x in lines if "val/bits_per_byte" in x
+    }
     timed = [x for x in lines if x["generation"] > 1]  # the first generation compiles
     seconds = [x["perf/seconds"] for x in timed]
-    tokens = sum(x["perf/tokens_per_s"] * x["perf/seconds"] for x in timed)  # tokens of every timed one
+    # tokens of every timed one
+    tokens = sum(x["perf/tokens_per_s"] * x["perf/seconds"] for x in timed)
     mean = statistics.mean(seconds)
-    return Side("ours", validation, mean, statistics.median(seconds), tokens / sum(seconds), rss, wall, log)
+    return Side(
+        "ours", validation, mean, statistics.median(seconds), tokens / sum(seconds), rss, wall, log
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +227,8 @@ def describe(side: Side) -> str:
     curve = "  ".join(f"{g}: {v:.4f}" for g, v in sorted(side.validation.items()))
     return (
         f"{side.name:9} {side.tokens_per_second:>10,.0f} tokens/s"
-        f"  {side.seconds_per_generation:.4f} s/generation (median {side.median_seconds_per_generation:.4f})"
+        f"  {side.seconds_per_generation:.4f} s/generation"
+        f" (median {side.median_seconds_per_generation:.4f})"
         f"  peak RSS {side.peak_rss_gib:.2f} GiB"
         f"  wall {side.wall_seconds:.0f} s\n"
         f"{'':9} validation bits/byte by generation: {curve}"
@@ -215,7 +258,12 @@ def main(args: Args) -> None:
     population_and_tokens(shlex.split(args.flags))  # fail now, not after upstream's run
     if args.only in ("both", "upstream"):
         upstream_source(args)
-    common = ["--validation_batch_size", str(VALIDATION_BATCH), "--num_epochs", str(args.num_epochs)]
+    common = [
+        "--validation_batch_size",
+        str(VALIDATION_BATCH),
+        "--num_epochs",
+        str(args.num_epochs),
+    ]
     common += ["--validate_every", str(args.validate_every), *shlex.split(args.flags)]
     work = Path(tempfile.mkdtemp(prefix="side-by-side-"))
     runners = {"upstream": run_upstream, "ours": run_ours}

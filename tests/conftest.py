@@ -1,10 +1,10 @@
-"""The tests target the CPU (one device, several of them as several virtual CPU devices) and write only under
-scratch folders, removed at the end: the compilation cache they share (so that the many runs of the
-same tiny configurations compile once, whichever test and process compiles first) and the corpus
-cache (so that the standard library is concatenated once). A session fixture checks that the
-repository is left as it was found. Under pytest-xdist (-n 2) the workers inherit the compilation
-cache of the process that started them, which removes it at the end; each worker has its own
-scratch folder for the rest and makes these checks itself."""
+"""The tests target the CPU (one device, several of them as several virtual CPU devices) and write
+only under scratch folders, removed at the end: the compilation cache they share (so that the many
+runs of the same tiny configurations compile once, whichever test and process compiles first) and
+the corpus cache (so that the standard library is concatenated once). A session fixture checks that
+the repository is left as it was found. Under pytest-xdist (-n 2) the workers inherit the
+compilation cache of the process that started them, which removes it at the end; each worker has its
+own scratch folder for the rest and makes these checks itself."""
 
 import os
 import shutil
@@ -24,7 +24,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 # the tests' tiny programs spend more time compiling than running: LLVM's optimisations off (a
 # third less time on the compile-bound tests) and XLA:CPU's older fusion code generator (a 16D-1L
-# step compiles in 3.5-4.4 s, not 5.1-6.0); integer results do not depend on either (the pinned hashes).
+# step compiles in 3.5-4.4 s, not 5.1-6.0); integer results do not depend on either (the pinned
+# hashes).
 # The second is XLA:CPU's alone: the CUDA plugin stops the process at a flag it does not know
 # (scripts/gpu_check.py runs these tests with JAX_PLATFORMS=cuda)
 os.environ["EGG_TEST_FAST_COMPILE"] = "--xla_backend_optimization_level=0" + (
@@ -32,7 +33,8 @@ os.environ["EGG_TEST_FAST_COMPILE"] = "--xla_backend_optimization_level=0" + (
 )
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + os.environ["EGG_TEST_FAST_COMPILE"]
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))  # a worker: its parent's
+# a worker: its parent's
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(SCRATCH / "jax_cache"))
 # every program, however fast it compiles (run.py's own threshold, 0.5 s, applies in its main)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ["EGG_TEST_CORPORA"] = str(SCRATCH / "corpora")  # the tests' --dir_path
@@ -50,7 +52,9 @@ def repository_state() -> tuple[str, list[str]]:
             capture_output=True,
             text=True,
         ).stdout
-    outputs = sorted(str(p) for folder in ("runs", "cached_files") for p in (ROOT / folder).rglob("*"))
+    outputs = sorted(
+        str(p) for folder in ("runs", "cached_files") for p in (ROOT / folder).rglob("*")
+    )
     return status, outputs
 
 

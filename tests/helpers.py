@@ -37,7 +37,8 @@ def optimised_env() -> dict:
     compile time in the compile-bound tests): for a subprocess that trains long enough for them to
     pay (3x here)."""
     return dict(
-        os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(os.environ["EGG_TEST_FAST_COMPILE"], "")
+        os.environ,
+        XLA_FLAGS=os.environ["XLA_FLAGS"].replace(os.environ["EGG_TEST_FAST_COMPILE"], ""),
     )
 
 
@@ -45,7 +46,9 @@ def one_line_error(result, message):
     """Bad input: exit code 2 and one line on stderr holding `message`, no traceback."""
     assert result.returncode == 2, result.stderr[-1000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, (
+        result.stderr
+    )
 
 
 class Result(NamedTuple):
@@ -72,7 +75,8 @@ def in_process(capsys, *flags) -> Result:
 # are this run's.
 TINY = (
     f"--data stdlib --dir_path {CACHE} --n_embd 8 --n_layer 2 --parallel_generations_per_gpu 16 "
-    "--group_size 4 --tokens_per_update 8 --validation_batch_size 8 --validation_tokens 16 --alpha 0.2"
+    "--group_size 4 --tokens_per_update 8 --validation_batch_size 8 --validation_tokens 16 "
+    "--alpha 0.2"
 ).split()
 
 
@@ -107,7 +111,13 @@ def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: in
     """run.forward of a single model (no replica axis in or out): (fitness (M,), states)."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
     fitness, states = run.forward(
-        add(params), add(noise), add(states), inputs, targets, np.array([sigma_shift], np.int32), cfg
+        add(params),
+        add(noise),
+        add(states),
+        inputs,
+        targets,
+        np.array([sigma_shift], np.int32),
+        cfg,
     )
     return np.asarray(fitness)[0], np.asarray(states)[0]
 
@@ -116,23 +126,32 @@ def es_update(params, rule_state, noise, scores, thresholds, cfg):
     """One model's update as the generation step makes it from every noise of the generation
     (run.generation_noise) and the scores (scored_pairs,), segment-major: the pairs' weights, Z of
     every parameter, then the rule."""
-    weights = run.pair_weights(scores, cfg).reshape(-1)  # (noise_pairs,), as generation_noise orders them
+    # (noise_pairs,), as generation_noise orders them
+    weights = run.pair_weights(scores, cfg).reshape(-1)
     z = run.z_statistics(noise, weights, cfg)
     return run.apply_rule(params, rule_state, z, weights, thresholds, cfg)
 
 
 def one_model_step(step, carry, batch, generation: int, thresholds, seed: int, sigma_shift: int):
-    """A compiled step (run.make_generation_step) of a single model: carry (params, rule_state, states)
-    without the replica axis in and out; (params, opt, states, fitness, moved) as numpy."""
+    """A compiled step (run.make_generation_step) of a single model: carry (params, rule_state,
+    states) without the replica axis in and out; (params, opt, states, fitness, moved) as numpy."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
-    inputs = (np.asarray(thresholds)[None], np.array([seed], np.int32), np.array([sigma_shift], np.int32))
+    inputs = (
+        np.asarray(thresholds)[None],
+        np.array([seed], np.int32),
+        np.array([sigma_shift], np.int32),
+    )
     out = step(*add(carry), batch, np.int32(generation), *inputs)
     return jax.tree.map(lambda x: np.asarray(x)[0], out)
 
 
 def checkpoint_digest(folder: Path) -> str:
     """checkpoints.checkpoint_digest, the arrays' dtypes checked first."""
-    for name, dtype in (("params.npz", np.int8), ("states.npz", np.int8), ("optimizer.npz", np.int16)):
+    for name, dtype in (
+        ("params.npz", np.int8),
+        ("states.npz", np.int8),
+        ("optimizer.npz", np.int16),
+    ):
         if (folder / name).exists():
             with np.load(folder / name) as f:
                 assert all(f[key].dtype == dtype for key in f.files), name
@@ -144,11 +163,14 @@ def checkpoint_digest(folder: Path) -> str:
 
 
 def member_sides(sign: int, sigma_shift: int) -> run.Sides:
-    return run.Sides(jnp.full((1, 1, 1, 1), sign, jnp.int32), jnp.full((1, 1, 1, 1), sigma_shift, jnp.int32))
+    return run.Sides(
+        jnp.full((1, 1, 1, 1), sign, jnp.int32), jnp.full((1, 1, 1, 1), sigma_shift, jnp.int32)
+    )
 
 
 def pair_axes(nz):
-    """One pair's noise (a tuple of factors, or one array) with the axes (K, D) = (1, 1) in front."""
+    """One pair's noise (a tuple of factors, or one array) with the axes (K, D) = (1, 1) in
+    front."""
     if nz is None:
         return None
     return (
@@ -165,7 +187,8 @@ def member_vector(p, nz, sign: int, sigma_shift: int):
 
 
 def member_matmul(x, w, nz, sign: int, sigma_shift: int):
-    """run.matmul of one member: x (n,), w (m, n), nz its pair's (A, B), full noise, or None -> (m,)."""
+    """run.matmul of one member: x (n,), w (m, n), nz its pair's (A, B), full noise, or None ->
+    (m,)."""
     x = jnp.asarray(x).reshape(1, 1, 1, 1, -1)
     out = run.matmul(x, jnp.asarray(w)[None], pair_axes(nz), member_sides(sign, sigma_shift))
     return np.asarray(out).reshape(-1)

@@ -1,6 +1,7 @@
-"""A slow, independent reference of the integer forward pass, written from docs/design.org's description
-of the model and sharing no function with run.py: Python integers and numpy int64 arithmetic, one
-member and one byte at a time. Only the parameters, the noise and the bytes come from outside.
+"""A slow, independent reference of the integer forward pass, written from docs/design.org's
+description of the model and sharing no function with run.py: Python integers and numpy int64
+arithmetic, one member and one byte at a time. Only the parameters, the noise and the bytes come
+from outside.
 
 Fixed-point formats (docs/design.org, "The model"): weights, gains, embeddings, residual stream and
 layer-norm outputs are q / 16; noise entries q / 16 (B already divided by sqrt(rank)); the hidden
@@ -111,7 +112,9 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
         value = noise[name]
         if layer is None:
             return value
-        return tuple(np.asarray(m)[layer] for m in value) if isinstance(value, tuple) else value[layer]
+        return (
+            tuple(np.asarray(m)[layer] for m in value) if isinstance(value, tuple) else value[layer]
+        )
 
     x = embed(params["emb"], tok, nz("emb"), sign, sigma_shift)
     for layer in range(len(h)):
@@ -125,7 +128,8 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
 
         state = h[layer]
         a = layer_norm(x, vec("ln1"))
-        g = clip8(mm(a, "Wf") + mm(state, "Uf") + vec("bf")) + 127  # the fraction g / 256 in [0, 254]
+        # the fraction g / 256 in [0, 254]
+        g = clip8(mm(a, "Wf") + mm(state, "Uf") + vec("bf")) + 127
         gated = (g * state) >> 8
         c = clip8(mm(a, "Wh") + mm(gated, "Uh") + vec("bh"))
         new = state + ((g * (c - state)) >> 8)
@@ -139,7 +143,8 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
 
 
 def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int):
-    """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per byte)."""
+    """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per
+    byte)."""
     total, every = 0, []
     for tok, target in zip(inputs, targets, strict=True):
         logits, h = forward(params, noise, sign, h, int(tok), sigma_shift)

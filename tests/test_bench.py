@@ -1,8 +1,8 @@
 """bench.py: the benchmark's table of training, fitness, inference and full-rank ES; and the GPU
-program, compiled here for an H100 without one (--target h100: XLA's whole GPU pipeline, deviceless):
-integer only, every product an s8 x s8 -> s32 dot, its inputs donated, its temporaries bounded, one
-all-gather of the scores a generation over 8 GPUs; and the kernel count, bytes and cost model of
-the report against programs whose answer is known."""
+program, compiled here for an H100 without one (--target h100: XLA's whole GPU pipeline,
+deviceless): integer only, every product an s8 x s8 -> s32 dot, its inputs donated, its temporaries
+bounded, one all-gather of the scores a generation over 8 GPUs; and the kernel count, bytes and cost
+model of the report against programs whose answer is known."""
 
 import re
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, in_process, one_line_error, tiny_args
+from helpers import TINY, tiny_args
 
 import bench
 import run
@@ -53,7 +53,8 @@ def integer_only(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [[], ["--algorithm", "upstream"], ["--replicas", "2", "--replica_sigma_shift", "3", "5"]]
+    "flags",
+    [[], ["--algorithm", "upstream"], ["--replicas", "2", "--replica_sigma_shift", "3", "5"]],
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
     args = tiny_args(*SMALL, "--segments", "6", *flags)
@@ -62,9 +63,13 @@ def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporari
     integer_only(text)
     assert cfg.kernels == "pallas" and hlo.TRITON in text  # the products are the kernel's
     # parameters, update rule state and hidden states are donated: every one aliases an output
-    carried = len(jax.tree.leaves(bench.abstract_inputs(args, cfg, bench.target_mesh("h100", 1))[:3]))
+    carried = len(
+        jax.tree.leaves(bench.abstract_inputs(args, cfg, bench.target_mesh("h100", 1))[:3])
+    )
     aliased = re.search(r"input_output_alias=\{(.*?)\}, entry", text).group(1)
-    assert sorted(int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliased)) == list(range(carried))
+    assert sorted(int(i) for i in re.findall(r"\((\d+), \{\}, may-alias\)", aliased)) == list(
+        range(carried)
+    )
     # temporaries: one segment's noise at a time (built where it is used: 6 segments' at once would
     # be 16 times this noise), in words, entries and the layouts the kernels read, and the members'
     # activations, int32, a few times over
@@ -72,7 +77,10 @@ def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporari
     noise = run.noise_pairs(cfg) // cfg.segments * cfg.replicas * pieces
     activations = cfg.population * cfg.replicas * cfg.n_layer * 4 * cfg.n_embd * 4
     temporaries = compiled.memory_analysis().temp_size_in_bytes
-    print(f"temporaries {temporaries:,} B; a segment's noise {noise:,} B, activations {activations:,} B")
+    print(
+        f"temporaries {temporaries:,} B; a segment's noise {noise:,} B, "
+        f"activations {activations:,} B"
+    )
     assert temporaries <= 4 * noise + 4 * activations
 
 
@@ -82,7 +90,9 @@ def test_validation_and_inference_compile_for_the_h100_integer_only():
     integer_only(compiled.as_text())
     params = bench.abstract_inputs(args, cfg, mesh)[0]
     rows = jax.ShapeDtypeStruct(
-        (8, 17), jnp.uint8, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pop"))
+        (8, 17),
+        jnp.uint8,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pop")),
     )
     with bench.without_compilation_cache():
         integer_only(run.make_evaluate(cfg, mesh).lower(params, rows).compile().as_text())
@@ -93,14 +103,20 @@ def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast
     """docs/design.org: one all-gather of an int8 score per pair and segment (half a byte per
     member and segment), with normalised scores also the two int32 sums of the mean |difference|."""
     args = tiny_args(
-        *SMALL, "--shaping", "sign" if fast else "normalised", "--parallel_generations_per_gpu", "16"
+        *SMALL,
+        "--shaping",
+        "sign" if fast else "normalised",
+        "--parallel_generations_per_gpu",
+        "16",
     )
     compiled, cfg, _ = compile_step(args, devices=8)
     traffic = hlo.collective_traffic(compiled.as_text())
     gathers = [size for op, size in traffic if op == "all-gather"]
     assert cfg.population == 128 and gathers == [cfg.segments * cfg.population // 2], traffic
     others = [(op, size) for op, size in traffic if op != "all-gather"]
-    assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 12 * (not fast)
+    assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 12 * (
+        not fast
+    )
     integer_only(compiled.as_text())
 
 
@@ -149,7 +165,8 @@ def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
     ):
         assert re.search(rf"^{re.escape(line)} [0-9,.]+", out, re.M), line
     assert "modeled" in out.split("modeled training tokens/s:")[1].splitlines()[0]
-    train = figures["training"]  # the layers unrolled, the products Pallas kernels of a declared cost
+    # the layers unrolled, the products Pallas kernels of a declared cost
+    train = figures["training"]
     assert train["per_token"] > 0 == train["per_layer"] and "(the layers unrolled)" in out
     assert [k for k in figures["kernels"]["training"] if k.kind == "pallas" and k.bytes and k.macs]
     assert 0 < train["tokens_per_s"] < figures["inference"]["tokens_per_s"] * 1.5
@@ -163,7 +180,12 @@ def test_kernels_are_placed_by_the_scans_around_them():
     mesh = cluster.population_mesh(run.POP)
     cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
-    inputs = (*run.init_run(cfg, replicas), batch, np.int32(0), *run.replica_inputs(cfg, replicas, 0))
+    inputs = (
+        *run.init_run(cfg, replicas),
+        batch,
+        np.int32(0),
+        *run.replica_inputs(cfg, replicas, 0),
+    )
     text = run.make_generation_step(cfg, mesh).lower(*inputs).compile().as_text()
     figures = bench.describe_program(hlo.gpu_kernels(text), cfg, 1)
     assert figures["per_token"] > figures["per_layer"] * cfg.n_layer > 0
@@ -192,14 +214,23 @@ def test_a_product_kernel_is_costed_by_the_layer_it_reads():
     )
     with bench.without_compilation_cache():
         traced = jax.jit(program).trace(*operands)
-        kernels = hlo.gpu_kernels(traced.lower().compile().as_text(), bench.pallas_costs(traced.jaxpr))
+        kernels = hlo.gpu_kernels(
+            traced.lower().compile().as_text(), bench.pallas_costs(traced.jaxpr)
+        )
     (product,) = [k for k in kernels if k.kind == "pallas"]
-    read = pairs * 2 * n + 2 * m * n + 2 * pairs * (m + n)  # x; a layer of w, a and b for both matrices
-    assert (product.runs, product.bytes, product.macs) == (1, read + 2 * pairs * 2 * m, 2 * pairs * 2 * m * n)
+    # x; a layer of w, a and b for both matrices
+    read = pairs * 2 * n + 2 * m * n + 2 * pairs * (m + n)
+    assert (product.runs, product.bytes, product.macs) == (
+        1,
+        read + 2 * pairs * 2 * m,
+        2 * pairs * 2 * m * n,
+    )
 
 
 def benchmark_args(**overrides):
-    args = dict(n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8)
+    args = dict(
+        n_embd=8, n_layer=1, parallel_generations_per_gpu=16, group_size=4, tokens_per_update=8
+    )
     return flags.replace(bench.Args(), **{**args, **overrides})
 
 
@@ -225,7 +256,8 @@ def test_benchmark_prints_one_table_with_every_mode(capsys):
 
 
 def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(capsys, monkeypatch):
-    monkeypatch.setattr(cluster, "host_memory_left", lambda: 0)  # nothing left: any temporaries are too many
+    # nothing left: any temporaries are too many
+    monkeypatch.setattr(cluster, "host_memory_left", lambda: 0)
     rate = bench.benchmark(benchmark_args(num_epochs=1))
     assert set(rate) == {"a", "b", "c"}
     out = capsys.readouterr().out
@@ -238,12 +270,18 @@ def test_benchmark_skips_full_rank_es_whose_temporaries_the_host_cannot_hold(cap
 def test_memory_left_is_one_accelerators_or_the_hosts_for_every_cpu_device(monkeypatch):
     def mesh(stats, devices):
         device = SimpleNamespace(memory_stats=lambda: stats)
-        return SimpleNamespace(devices=np.array([device] * devices), local_devices=[device] * devices)
+        return SimpleNamespace(
+            devices=np.array([device] * devices), local_devices=[device] * devices
+        )
 
     gpu = {"bytes_limit": 80 * 2**30, "bytes_in_use": 2**30, "peak_bytes_in_use": 2**31}
     assert cluster.memory_left(mesh(gpu, 2)) == (79 * 2**30, 1)  # each device's own memory
     monkeypatch.setattr(cluster, "host_memory_left", lambda: 5 * 2**30)
-    assert cluster.memory_left(mesh(None, 3)) == (5 * 2**30, 3)  # the CPU's devices share the host's
+    # the CPU's devices share the host's
+    assert cluster.memory_left(mesh(None, 3)) == (
+        5 * 2**30,
+        3,
+    )
 
 
 def test_benchmark_without_num_epochs_fits_its_budget_and_says_what_it_skipped(capsys):
@@ -263,11 +301,16 @@ def test_benchmark_of_replicas_times_one_run_of_as_many_members_beside_them(caps
     out = capsys.readouterr().out
     assert "2 replicas, each population 16" in out and "(a, b, c, e taking turns)" in out
     assert "e one run of 32" in out and "timed 3 generation(s) of a, b, c, e" in out
-    ratio = float(re.search(r"2 replicas of population 16 / one run of 32 \(a/e\): ([0-9.]+)%", out).group(1))
+    ratio = float(
+        re.search(r"2 replicas of population 16 / one run of 32 \(a/e\): ([0-9.]+)%", out).group(1)
+    )
     assert abs(ratio - 100 * rate["a"] / rate["e"]) < 0.1
 
 
 def test_the_benchmark_is_its_own_script_and_takes_run_pys_flags(capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(["--target", "h100", "--n_embd", "6"])
-    assert stop.value.code == 2 and "--n_embd must be a multiple of 4, got 6" in capsys.readouterr().err
+    assert (
+        stop.value.code == 2
+        and "--n_embd must be a multiple of 4, got 6" in capsys.readouterr().err
+    )

@@ -100,12 +100,20 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted):
     assert f"resuming from {checkpoint_dir(tmp_path / 'b') / saved[-1]}" in out  # the latest one
     assert not list(checkpoint_dir(tmp_path / "b").glob(".*tmp*"))  # leftovers of the kill removed
     resumed = checkpoint_dir(tmp_path / "b") / "gen-00000150"
-    print("uninterrupted", params_hash(full), "resumed", params_hash(resumed), "killed after", saved[-1])
+    print(
+        "uninterrupted",
+        params_hash(full),
+        "resumed",
+        params_hash(resumed),
+        "killed after",
+        saved[-1],
+    )
     assert params_hash(resumed) == params_hash(full)
     with np.load(resumed / "states.npz") as a, np.load(full / "states.npz") as b:
         np.testing.assert_array_equal(a["states"], b["states"])
     lines = [
-        json.loads(x) for x in (tmp_path / "b").glob("*/metrics.jsonl").__next__().read_text().splitlines()
+        json.loads(x)
+        for x in (tmp_path / "b").glob("*/metrics.jsonl").__next__().read_text().splitlines()
     ]
     assert [x["generation"] for x in lines] == list(range(1, 151))  # no duplicated generations
 
@@ -120,16 +128,20 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
     (folder / "gen-00000006" / "params.npz").write_bytes(b"not a zip file")
     out = kill_once_saved(start(*LONG, "--resume", "auto", runs=runs), runs, 9)
     assert out.count("unreadable") == 1  # tried once, not again from the folder listing
-    assert "set aside as corrupt-gen-00000006" in out and f"resuming from {folder / 'gen-00000003'}" in out
+    assert (
+        "set aside as corrupt-gen-00000006" in out
+        and f"resuming from {folder / 'gen-00000003'}" in out
+    )
     assert (folder / "corrupt-gen-00000006" / "params.npz").read_bytes() == b"not a zip file"
-    for saved in checkpoints.checkpoints_in(
-        folder
-    ):  # gen-00000006 saved again: the corrupt one shadowed nothing
+    # gen-00000006 saved again: the corrupt one shadowed nothing
+    for saved in checkpoints.checkpoints_in(folder):
         params_hash(saved)
     assert (folder / (folder / "LATEST").read_text()).is_dir()
     code, out, err = finish(start(*LONG, "--resume", "auto", runs=runs))
     assert code == 0 and "unreadable" not in out, err[-2000:]
-    print("uninterrupted", params_hash(uninterrupted), "corrupted, resumed, killed, resumed", end=" ")
+    print(
+        "uninterrupted", params_hash(uninterrupted), "corrupted, resumed, killed, resumed", end=" "
+    )
     print(params_hash(folder / "gen-00000150"))
     assert params_hash(folder / "gen-00000150") == params_hash(uninterrupted)
 
@@ -143,7 +155,9 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
     assert code == 0, err[-2000:]
     code, _, err = finish(start(*schedule, "--num_epochs", "6", runs=tmp_path / "b"))
     assert code == 0, err[-2000:]
-    code, out, err = finish(start(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b"))
+    code, out, err = finish(
+        start(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b")
+    )
     assert code == 0 and "resuming from" in out and "generation 6" in out, err[-2000:]
     final = [checkpoint_dir(tmp_path / x) / "gen-00000012" for x in "ab"]
     print("12 at once", params_hash(final[0]), "6 then extended to 12", params_hash(final[1]))
@@ -152,9 +166,21 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
 
 
 def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsys):
-    code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path))
+    code, _, err = finish(
+        start("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path)
+    )
     assert code == 0, err[-2000:]
-    base = [*TINY, "--runs_dir", str(tmp_path), "--run_name", "r", "--num_epochs", "6", "--resume", "auto"]
+    base = [
+        *TINY,
+        "--runs_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        "--num_epochs",
+        "6",
+        "--resume",
+        "auto",
+    ]
     other = tmp_path.with_name(f"{tmp_path.name}-other.txt")  # beside the runs folder
     other.write_bytes(b"other training bytes, not the standard library " * 2000)
     for given, listed in (
@@ -165,10 +191,22 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
             "--group_size 4 -> 8, --tokens_per_update 8 -> 9",
         ),
         (["--parallel_generations_per_gpu", "32"], "population 16 -> 32"),
-        (["--data", str(other)], "training data "),  # then its size (99% of 94,000) and hash, old -> new
-        (["--alpha_decay_timestep", "7", "--rank", "2"], "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2"),
-        (["--fast_fitness", "--noise_reuse", "2"], "--shaping normalised -> sign, --noise_reuse 1 -> 2"),
-        (["--num_perturbations", "8", "--segments", "2"], "--segments 0 -> 2, --num_perturbations 0 -> 8"),
+        (
+            ["--data", str(other)],
+            "training data ",
+        ),  # then its size (99% of 94,000) and hash, old -> new
+        (
+            ["--alpha_decay_timestep", "7", "--rank", "2"],
+            "--alpha_decay_timestep 1000 -> 7, --rank 1 -> 2",
+        ),
+        (
+            ["--fast_fitness", "--noise_reuse", "2"],
+            "--shaping normalised -> sign, --noise_reuse 1 -> 2",
+        ),
+        (
+            ["--num_perturbations", "8", "--segments", "2"],
+            "--segments 0 -> 2, --num_perturbations 0 -> 8",
+        ),
         (
             ["--optimizer", "ztest", "--momentum_shift", "3", "--max_step", "2"],
             # --momentum_shift and --max_step act under momentum only: not this run's rule
@@ -178,12 +216,17 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
             ["--no-shared_pair_state", "--shaping", "sign"],
             "--shaping normalised -> sign, --shared_pair_state True -> False",
         ),
-        # --null_from_scores acts under ztest only, not the checkpoint's rule: the rule's change says it
+        # --null_from_scores acts under ztest only, not the checkpoint's rule: the rule's change
+        # says it
         (["--optimizer", "ztest", "--null_from_scores"], "--optimizer momentum -> ztest"),
     ):
         result = in_process(capsys, *base, *given)
         one_line_error(result, f"gen-00000004 was trained with other settings: {listed}")
-        assert "-> 93,060 bytes #" in result.stderr if "--data" in given else f"{listed}; " in result.stderr
+        assert (
+            "-> 93,060 bytes #" in result.stderr
+            if "--data" in given
+            else f"{listed}; " in result.stderr
+        )
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
     # a checkpoint of an older format, or that records no setting this run depends on, is refused
@@ -191,11 +234,15 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     written = meta_path.read_text()
     meta = json.loads(written)
     meta_path.write_text(json.dumps({**meta, "format": 2}))
-    older = "was written by an older egg-jax (format 2); continue it with the code of commit 5423dfc"
+    older = (
+        "was written by an older egg-jax (format 2); continue it with the code of commit 5423dfc"
+    )
     one_line_error(in_process(capsys, *base), older)
     meta["training"].pop("max_step")
     meta_path.write_text(json.dumps(meta))
-    one_line_error(in_process(capsys, *base), "(format 3, which records no --max_step); continue it")
+    one_line_error(
+        in_process(capsys, *base), "(format 3, which records no --max_step); continue it"
+    )
     meta_path.write_text(json.dumps({**meta, "format": 4}))
     one_line_error(in_process(capsys, *base), "is of format 4, newer than this egg-jax's")
     meta_path.write_text(written)
@@ -215,7 +262,8 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     assert meta["training"]["alpha"] == 0.3 and meta["training"]["population"] == 16
 
 
-# the sha256 of TINY's sorted parameters after 3 generations with the defaults, as commit 5423dfc computed it
+# the sha256 of TINY's sorted parameters after 3 generations with the defaults, as commit 5423dfc
+# computed it
 DEFAULTS_AFTER_THREE = "cfbdced9c38b3015983e7b8614268f6dc25caa4b8231b8900c211cdc13693c6d"
 
 
@@ -239,7 +287,15 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
     folder = checkpoint_dir(tmp_path)
     wider = ["--parallel_generations_per_gpu", "32", "--num_epochs", "5", "--allow_changes"]
     result = in_process(
-        capsys, *TINY, *wider, "--runs_dir", str(tmp_path), "--save_dir", str(folder), "--resume", "auto"
+        capsys,
+        *TINY,
+        *wider,
+        "--runs_dir",
+        str(tmp_path),
+        "--save_dir",
+        str(folder),
+        "--resume",
+        "auto",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "another population layout: hidden states restart at zero" in result.stdout
@@ -293,7 +349,9 @@ def test_a_stop_signal_saves_every_generation_run_and_exits(tmp_path, sig, code)
 
 def tiny_model():
     """(cfg, params, opt, states) of one fresh tiny model, momentum's sums moved off zero."""
-    cfg = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16))
+    cfg = run.make_config(
+        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16)
+    )
     params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
     opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_state(cfg))
     return cfg, params, opt, np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
@@ -317,22 +375,31 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
     loaded, loaded_states, loaded_opt, _ = load(tmp_path / "c", cfg)
     with np.load(tmp_path / "c" / "optimizer.npz") as f:
-        assert sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES) and f["m/Wf"].dtype == np.int16
+        assert (
+            sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES)
+            and f["m/Wf"].dtype == np.int16
+        )
     # a single model's file comes back with the run's replica axis of 1
     for got, want in ((loaded, params), (loaded_opt, opt), ({"s": loaded_states}, {"s": states})):
         for key, value in want.items():
             np.testing.assert_array_equal(got[key], value[None], err_msg=key)
     ztest = run.make_config(
-        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest")
+        flags.replace(
+            run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16, optimizer="ztest"
+        )
     )
     assert load(tmp_path / "c", ztest).rule_state == {}  # a rule that keeps no state
-    checkpoints.save_checkpoint(tmp_path / "z", params, {}, states, {"generation": 5})  # the Z-test's
+    # the Z-test's
+    checkpoints.save_checkpoint(tmp_path / "z", params, {}, states, {"generation": 5})
     assert load(tmp_path / "z", cfg).rule_state is None  # no state of this rule: started afresh
-    other = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=32))
+    other = run.make_config(
+        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=32)
+    )
     assert load(tmp_path / "c", other).states is None  # other population: fresh states
 
 
-CURRENT = ROOT / "tests" / "data" / "checkpoints-5423dfc"  # gen-4 checkpoints written by commit 5423dfc
+# gen-4 checkpoints written by commit 5423dfc
+CURRENT = ROOT / "tests" / "data" / "checkpoints-5423dfc"
 WORDS = [*TINY, "--data", str(ROOT / "tests" / "data" / "words.txt")]
 THREE = "--replicas 3 --replica_alpha 0.2 4 3 --replica_sigma_shift 3 4 5".split()
 # checkpoint_digest of WORDS (with THREE) after 6 generations, trained by the code of commit 5423dfc
@@ -372,9 +439,16 @@ def test_a_kill_between_the_checkpoint_and_latest_renames_loses_no_save(tmp_path
     saver.save(3, with_axis(params, {}, states), 9.0, {})
     checkpoints.save_checkpoint(tmp_path / "gen-00000006", params, {}, states, {"generation": 6})
     assert (tmp_path / "LATEST").read_text() == "gen-00000003"
-    assert resume.find_checkpoints("auto", tmp_path) == [tmp_path / "gen-00000006", tmp_path / "gen-00000003"]
-    assert resume.find_checkpoints(str(tmp_path), tmp_path / "elsewhere") == [tmp_path / "gen-00000006"]
-    assert resume.find_checkpoints(str(tmp_path / "gen-00000003"), tmp_path) == [tmp_path / "gen-00000003"]
+    assert resume.find_checkpoints("auto", tmp_path) == [
+        tmp_path / "gen-00000006",
+        tmp_path / "gen-00000003",
+    ]
+    assert resume.find_checkpoints(str(tmp_path), tmp_path / "elsewhere") == [
+        tmp_path / "gen-00000006"
+    ]
+    assert resume.find_checkpoints(str(tmp_path / "gen-00000003"), tmp_path) == [
+        tmp_path / "gen-00000003"
+    ]
 
 
 def test_a_folder_has_one_owner_and_its_leftovers_go_when_it_is_owned(tmp_path):
@@ -389,7 +463,8 @@ def test_a_folder_has_one_owner_and_its_leftovers_go_when_it_is_owned(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".owner", "gen-00000004"]
     assert (tmp_path / ".owner").read_text() == f"host {socket.gethostname()}, PID {os.getpid()}\n"
     other = (
-        f"from egg import files; files.own(__import__('pathlib').Path({str(tmp_path)!r}), 'x', '--save_dir')"
+        f"from egg import files; files.own(__import__('pathlib').Path({str(tmp_path)!r}), 'x', "
+        "'--save_dir')"
     )
     refused = subprocess.run(
         [
@@ -442,14 +517,17 @@ def test_checkpoint_bad_input(tmp_path, capsys):
     assert f"resuming from {folder / 'gen-00000002'} at generation 2" in result.stdout
     # no checkpoint at an explicit path
     one_line_error(
-        in_process(capsys, *base, "--resume", str(tmp_path / "nothing")), "no such path; give a run folder"
+        in_process(capsys, *base, "--resume", str(tmp_path / "nothing")),
+        "no such path; give a run folder",
     )
     # an unwritable save_dir or runs_dir (a path below a regular file)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     result = in_process(capsys, *base, "--save_dir", str(blocker / "ckpt"))
     one_line_error(result, "cannot write checkpoints to --save_dir")
-    result = in_process(capsys, *TINY, "--runs_dir", str(blocker / "runs"), "--save_dir", str(tmp_path / "s"))
+    result = in_process(
+        capsys, *TINY, "--runs_dir", str(blocker / "runs"), "--save_dir", str(tmp_path / "s")
+    )
     one_line_error(result, "cannot write metrics to --runs_dir")
     aside = folder / f"corrupt-{latest.name}"  # set aside by --resume auto, kept as it was
     assert (blocker.read_text(), (aside / "params.npz").read_bytes()) == ("x", b"not a zip file")

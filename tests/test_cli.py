@@ -18,14 +18,20 @@ BAD_INPUT = [
     *range_cases(),
     (["--data", "/no/such/file"], "--data /no/such/file: no such path"),
     # conftest.py sets the device count through XLA_FLAGS, as a user may
-    (["--cpu_devices", "2"], "--cpu_devices 2: XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count"),
+    (
+        ["--cpu_devices", "2"],
+        "--cpu_devices 2: XLA_FLAGS or JAX_NUM_CPU_DEVICES set the device count",
+    ),
     (["--data", "EMPTY"], "--data EMPTY: the file is empty"),
     (["--data", "FOLDER"], "--data FOLDER: the folder holds no file with bytes in it"),
     (["--data", "EMPTIES"], "--data EMPTIES: the folder holds no file with bytes in it"),
     (["--rank", "9999"], "--rank must be in [0, 64] (0: full-rank noise), got 9999"),
     (["--data", "INT32.npy"], "--data INT32.npy: holds a int32 array"),
     (["--data", "BROKEN.npy"], "--data BROKEN.npy: not a readable .npy array"),
-    (["--data", "SHORT", "--valid_data", "/no/such/file"], "--valid_data /no/such/file: no such path"),
+    (
+        ["--data", "SHORT", "--valid_data", "/no/such/file"],
+        "--valid_data /no/such/file: no such path",
+    ),
     (["--data", "SHORT", "--valid_data", "EMPTY"], "--valid_data EMPTY: the file is empty"),
     (
         ["--data", "SHORT", "--validation_batch_size", "1"],
@@ -41,7 +47,10 @@ BAD_INPUT = [
     (["--n_embd", "6"], "--n_embd must be a multiple of 4"),
     (["--alpha", "1e-70"], "--alpha 1e-70 at population 64: the test's threshold"),
     (["--sigma_shift", "7"], "every bias and gain perturbation rounds to 0"),
-    (["--optimizer", "ztest", "--alpha", "1e-70"], "is beyond the largest |Z| a matrix entry can reach"),
+    (
+        ["--optimizer", "ztest", "--alpha", "1e-70"],
+        "is beyond the largest |Z| a matrix entry can reach",
+    ),
     (["--alpha", "1e-70"], "is beyond the largest running sum |m| a matrix entry can reach (508)"),
     (["--num_procs", "2", "--proc_id", "2"], "--proc_id must be below --num_procs, got 2 of 2"),
     (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
@@ -76,7 +85,9 @@ def bad_input_files(folder):
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUT)
-def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(tmp_path, monkeypatch, capsys, flags, message):
+def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(
+    tmp_path, monkeypatch, capsys, flags, message
+):
     files = bad_input_files(tmp_path)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for placeholder, path in files.items():
@@ -92,7 +103,9 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(tmp_path, monkeyp
 
 
 def test_bad_input_in_a_new_process_is_one_line_on_stderr_and_exit_code_2(tmp_path):
-    one_line_error(cli("--data", "/no/such/file", cwd=tmp_path), "--data /no/such/file: no such path")
+    one_line_error(
+        cli("--data", "/no/such/file", cwd=tmp_path), "--data /no/such/file: no such path"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -108,13 +121,23 @@ def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, 
     """Random words from a vocabulary of 17: what follows a letter is mostly fixed, so a model
     that learns anything beats the unigram quickly. 200 generations of a 16D-1L model end near
     3.5-3.9 bits/byte (momentum 3.50, upstream's Z-test 3.91; unigram 4.21)."""
-    words = "the quick brown fox jumps over the lazy dog and a cat sat on the mat while birds sing".split()
+    words = (
+        "the quick brown fox jumps over the lazy dog and a cat sat on the mat while birds sing"
+    ).split()
     rng = np.random.default_rng(0)
     (tmp_path / "words.txt").write_text(" ".join(rng.choice(words, 40_000)))
-    flags = ["--data", str(tmp_path / "words.txt"), "--dir_path", str(tmp_path), "--runs_dir", str(tmp_path)]
+    flags = [
+        "--data",
+        str(tmp_path / "words.txt"),
+        "--dir_path",
+        str(tmp_path),
+        "--runs_dir",
+        str(tmp_path),
+    ]
     flags += (
-        "--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64 --group_size 64 --num_epochs 200 "
-        "--tokens_per_update 64 --validation_batch_size 16 --validation_tokens 256 --save_every 0"
+        "--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64 --group_size 64 "
+        "--num_epochs 200 --tokens_per_update 64 --validation_batch_size 16 "
+        "--validation_tokens 256 --save_every 0"
     ).split()
     result = in_process(capsys, *flags, *rule)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -146,7 +169,10 @@ def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path)
     rows = run.validation_rows(valid, args)
     corpus_entropy = unigram_cross_entropy(train, np.asarray(train[None, :]))
     baseline = unigram_cross_entropy(train, rows)
-    print(f"model {scores[-1]:.4f}, unigram on the same rows {baseline:.4f}, corpus {corpus_entropy:.4f}")
+    print(
+        f"model {scores[-1]:.4f}, unigram on the same rows {baseline:.4f}, "
+        f"corpus {corpus_entropy:.4f}"
+    )
     assert scores[-1] < min(baseline, corpus_entropy)
     (cache,) = Path(CACHE).glob("stdlib-*.bin")
     assert os.path.getsize(cache) > 10_000_000
@@ -155,12 +181,13 @@ def test_tiny_model_learns_below_unigram_entropy_on_the_offline_corpus(tmp_path)
 @pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a machine with an NVIDIA device")
 def test_the_platform_is_jaxs_own_choice_and_a_missing_one_is_one_line(tmp_path):
     """No JAX_PLATFORMS and no --platform: JAX chooses (the CPU here, where jax[cuda12]'s plugin
-    cannot start) without printing the plugin's traceback; --platform cuda is refused in one line."""
+    cannot start) without printing the plugin's traceback; --platform cuda is refused in one
+    line."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     flags = [*TINY, "--runs_dir", str(tmp_path), "--num_epochs", "1", "--save_every", "0"]
     result = cli(*flags, env=env)
-    assert result.returncode == 0 and "population 16 on 1 cpu device(s)" in result.stdout, result.stderr[
-        -2000:
-    ]
+    assert result.returncode == 0 and "population 16 on 1 cpu device(s)" in result.stdout, (
+        result.stderr[-2000:]
+    )
     assert "Traceback" not in result.stderr and "plugin" not in result.stderr
     one_line_error(cli(*flags, "--platform", "cuda", env=env), "JAX cannot start platform cuda")

@@ -88,7 +88,8 @@ def digest(runs, generation: int) -> str:
 def records(runs):
     (path,) = runs.glob("*/metrics.jsonl")  # only process 0 writes
     lines = path.read_text().splitlines(True)
-    return [json.loads(line) for line in lines if line.endswith("\n")]  # a line being written is skipped
+    # a line being written is skipped
+    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
@@ -96,12 +97,17 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2"]
     procs = layouts(flags, tmp_path)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
-    assert "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs" in outs["one"]
+    assert (
+        "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs"
+        in outs["one"]
+    )
     assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
     assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
     hashes = {layout: digest(tmp_path / layout, 3) for layout in procs}
     validation = {
-        layout: [r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r]
+        layout: [
+            r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r
+        ]
         for layout in procs
     }
     print(hashes, validation)
@@ -110,7 +116,8 @@ def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
-    """Each device evaluates its slice of every pair's noise (--num_perturbations: repeated ones)."""
+    """Each device evaluates its slice of every pair's noise (--num_perturbations: repeated
+    ones)."""
     flags = [
         *SHARED_NOISE,
         "--num_epochs",
@@ -127,7 +134,9 @@ def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_pat
     }
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
-    assert "population 64 on 4 cpu device(s) (one CPU split into 4) in 1 process(es)" in outs["four"]
+    assert (
+        "population 64 on 4 cpu device(s) (one CPU split into 4) in 1 process(es)" in outs["four"]
+    )
     # the default: one device per core, as many as split 64 members into groups of 4 and blocks of 8
     cores = len(os.sched_getaffinity(0))
     auto = max(s for s in (1, 2, 4, 8) if s <= cores)
@@ -135,14 +144,19 @@ def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_pat
     assert f"population 64 on {auto} cpu device(s){split} in 1 process(es)" in outs["auto"]
     assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
     validation = {
-        tuple(r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r)
+        tuple(
+            r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r
+        )
         for layout in procs
     }
     assert len(validation) == 1 and len(next(iter(validation))) == 2
     # a split that leaves a device part of a group is refused with one line, before anything runs
     _, bad = launch(None, [*flags, "--cpu_devices", "3"], tmp_path / "bad").communicate(timeout=400)
     lines = bad.strip().splitlines()
-    assert len(lines) == 1 and "--cpu_devices 3 must split --parallel_generations_per_gpu 64" in lines[0]
+    assert (
+        len(lines) == 1
+        and "--cpu_devices 3 must split --parallel_generations_per_gpu 64" in lines[0]
+    )
     assert not (tmp_path / "bad").exists()
 
 
@@ -151,7 +165,8 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     procs = two_processes(flags, tmp_path / "stopped")
     deadline = time.time() + 240
     while not (
-        list((tmp_path / "stopped").glob("*/metrics.jsonl")) and len(records(tmp_path / "stopped")) >= 3
+        list((tmp_path / "stopped").glob("*/metrics.jsonl"))
+        and len(records(tmp_path / "stopped")) >= 3
     ):
         assert time.time() < deadline, "no third generation logged within 240 s"
         time.sleep(0.05)
@@ -169,20 +184,24 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
     outs = wait(*resumed, reference)
     assert "resuming from" in outs[0] and f"at generation {generation}" in outs[0]
-    assert digest(tmp_path / "stopped", generation + 2) == digest(tmp_path / "reference", generation + 2)
+    assert digest(tmp_path / "stopped", generation + 2) == digest(
+        tmp_path / "reference", generation + 2
+    )
 
 
 SHARDED = """
 import jax, numpy as np, run
 from egg import cluster, flags, hlo
-args = flags.replace(run.Args(), n_embd=8, n_layer=1, parallel_generations_per_gpu=256, group_size=4,
-                     tokens_per_update=8, shaping="sign" if {fast} else "normalised")
+args = flags.replace(run.Args(), n_embd=8, n_layer=1, parallel_generations_per_gpu=256,
+                     group_size=4, tokens_per_update=8, shaping="sign" if {fast} else "normalised")
 mesh = cluster.population_mesh(run.POP)
 cfg = run.make_config(args, mesh.size)
 params, rule_state, states = jax.eval_shape(lambda: run.init_run(cfg, run.replicas_of(args)))
 batch = jax.ShapeDtypeStruct((cfg.population // 4, 9), np.uint8)
 inputs = run.replica_inputs(cfg, run.replicas_of(args), 0)
-step = run.make_generation_step(cfg, mesh).lower(params, rule_state, states, batch, np.int32(0), *inputs)
+step = run.make_generation_step(cfg, mesh).lower(
+    params, rule_state, states, batch, np.int32(0), *inputs
+)
 evaluate = run.make_evaluate(cfg, mesh).lower(params, jax.ShapeDtypeStruct((8, 17), np.uint8))
 programs = {{"step": step.compile().as_text(), "evaluate": evaluate.compile().as_text()}}
 for name, text in programs.items():
@@ -220,14 +239,13 @@ def test_only_fitness_crosses_devices_and_the_sharded_programs_have_no_float():
         collectives = [(line[0], int(line[1])) for line in lines if line[0] != "floats"]
         print("fast" if fast else "normalised", collectives, "parameters", params)
         gathers = [size for op, size in collectives if op == "all-gather"]
-        assert segments == 8 and gathers == [
-            512 * segments
-        ]  # an int8 score per pair and segment, 1024 members
+        # an int8 score per pair and segment, 1024 members
+        assert segments == 8 and gathers == [512 * segments]
         others = [(op, size) for op, size in collectives if op != "all-gather"]
         # the two int32 sums of the exact mean |difference| (XLA may combine them into one)
-        assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 12 * (
-            not fast
-        )
+        assert {op for op, _ in others} <= {"all-reduce"} and sum(
+            size for _, size in others
+        ) == 12 * (not fast)
         assert max(size for _, size in collectives) < params
 
 
@@ -260,12 +278,23 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     checkpoint and the command that resumes; no C++ stack trace, no Python traceback. The run then
     continues from that checkpoint as 1 process on 1 device, and ends bit-identical to one never
     interrupted, run as 1 process on 4 devices."""
-    flags = ["--run_name", "r", "--save_every", "4", "--heartbeat_timeout", "5", "--num_epochs", "100000"]
+    flags = [
+        "--run_name",
+        "r",
+        "--save_every",
+        "4",
+        "--heartbeat_timeout",
+        "5",
+        "--num_epochs",
+        "100000",
+    ]
     procs = two_processes(flags, tmp_path / "lost")
     checkpoints = tmp_path / "lost" / "r" / "checkpoints"
     deadline = time.time() + 240
     while not (checkpoints / "gen-00000008").exists():
-        assert time.time() < deadline and procs[0].poll() is None, "no checkpoint of generation 8 in 240 s"
+        assert time.time() < deadline and procs[0].poll() is None, (
+            "no checkpoint of generation 8 in 240 s"
+        )
         time.sleep(0.05)
     (child,) = children_of(procs[1].pid)
     os.kill(procs[1].pid, signal.SIGKILL)
@@ -278,11 +307,17 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     procs[1].communicate(timeout=30)
     saved = sorted(p.name for p in checkpoints.glob("gen-*"))
     (line,) = [x for x in err.splitlines() if "error:" in x]
-    print(f"process 0 ended {seconds:.1f} s after process 1 was killed, exit {procs[0].returncode}: {line}")
+    print(
+        f"process 0 ended {seconds:.1f} s after process 1 was killed, "
+        f"exit {procs[0].returncode}: {line}"
+    )
     assert procs[0].returncode == 75 and seconds < 5 + 10
     assert "Check failure" not in err and "Traceback" not in err and err.rstrip().endswith(line)
     assert line.startswith("error: process 1 stopped answering (JAX ended this one at ")
-    assert f"the newest complete checkpoint is {checkpoints / saved[-1]}; resume with: python run.py " in line
+    assert (
+        f"the newest complete checkpoint is {checkpoints / saved[-1]}; resume with: python run.py "
+        in line
+    )
     assert (
         line.endswith(f"--resume {checkpoints.parent}")
         and (tmp_path / "lost" / "r" / "process-0-lost.log").exists()
@@ -333,10 +368,16 @@ def test_a_process_busy_in_python_is_not_taken_for_lost():
 
 
 def test_the_lost_process_is_named_from_jaxs_log():
-    on_the_coordinator = "E1125 coordination_service.cc:1520] ... UNAVAILABLE: Task 2 heartbeat timeout. This"
-    elsewhere = "The following tasks are unhealthy (stopped sending heartbeats):\n3\nThe tasks have crashed."
+    on_the_coordinator = (
+        "E1125 coordination_service.cc:1520] ... UNAVAILABLE: Task 2 heartbeat timeout. This"
+    )
+    elsewhere = (
+        "The following tasks are unhealthy (stopped sending heartbeats):\n3\n"
+        "The tasks have crashed."
+    )
     assert supervisor.lost_processes(on_the_coordinator) == "process 2"
     assert supervisor.lost_processes(elsewhere + "\n" + elsewhere) == "process 3"
     assert (
-        supervisor.lost_processes("Failed to reach the coordination service") == "process 0, the coordinator,"
+        supervisor.lost_processes("Failed to reach the coordination service")
+        == "process 0, the coordinator,"
     )

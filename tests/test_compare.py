@@ -37,14 +37,20 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
     for name in ("plain", "momentum"):
         scores = {2: [], 4: []}
         for seed in (0, 1):
-            lines = (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl").read_text().splitlines()
+            lines = (
+                (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl")
+                .read_text()
+                .splitlines()
+            )
             for line in map(json.loads, lines):
                 if "val/bits_per_byte" in line:
                     scores[line["generation"]].append(line["val/bits_per_byte"])
                     baselines = {k: line[f"val/{k}_bits_per_byte"] for k in ("unigram", "bigram")}
+        # the wall-time column: no run took 1e6 s, so generation 4
         cells = [
-            f"{statistics.mean(scores[g]):.3f} +- {statistics.stdev(scores[g]):.3f}" for g in (2, 4, 4)
-        ]  # the wall-time column: no run took 1e6 s, so generation 4
+            f"{statistics.mean(scores[g]):.3f} +- {statistics.stdev(scores[g]):.3f}"
+            for g in (2, 4, 4)
+        ]
         assert rows[name].split()[1:] == " ".join(cells).split(), rows[name]
     assert rows["plain"] != rows["momentum"]
     for kind, value in baselines.items():
@@ -80,14 +86,19 @@ def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(tmp_pat
     (folder,) = (tmp_path / "runs").iterdir()
     best, median = [], []
     for seed in (0, 1):
-        (line,) = [json.loads(x) for x in (folder / f"four-text_train-seed{seed}" / "metrics.jsonl").open()][
-            1:
-        ]
+        (line,) = [
+            json.loads(x) for x in (folder / f"four-text_train-seed{seed}" / "metrics.jsonl").open()
+        ][1:]
         replicas = [line[f"replica/{k}/val/bits_per_byte"] for k in range(4)]
         best.append(line["val/bits_per_byte"])
         median.append(statistics.median(replicas))
         assert best[-1] == min(replicas)
-    assert rows[0].split() == ["four", f"{statistics.mean(best):.3f}", "+-", f"{statistics.stdev(best):.3f}"]
+    assert rows[0].split() == [
+        "four",
+        f"{statistics.mean(best):.3f}",
+        "+-",
+        f"{statistics.stdev(best):.3f}",
+    ]
     assert rows[1].split() == [
         "four,",
         "median",
@@ -118,7 +129,8 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
         variants=(
             "es=",
             "gru=@backprop --network mingru --batch_size 4 --window 16",
-            "tf=@backprop --network transformer --batch_size 4 --window 16 --num_epochs 6",  # its own length
+            # its own length
+            "tf=@backprop --network transformer --batch_size 4 --window 16 --num_epochs 6",
         ),
         data=(str(corpus),),
         seeds=(0, 1),
@@ -138,19 +150,34 @@ def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant
         for seed in (0, 1):
             lines = [
                 json.loads(x)
-                for x in (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl").read_text().splitlines()
+                for x in (folder / f"{name}-text_train-seed{seed}" / "metrics.jsonl")
+                .read_text()
+                .splitlines()
             ]
             assert [x["generation"] for x in lines] == list(range(1, 7 if name == "tf" else 5))
-            values.append(lines[1]["val/bits_per_byte"])  # generation 2: the last validation within 200 bytes
-        assert rows[name][-3:] == f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}".split()
-    assert rows["es"][-1] == "-"  # population 16 x 8 bytes = 128 a generation: no validation within 200
+            # generation 2: the last validation within 200 bytes
+            values.append(lines[1]["val/bits_per_byte"])
+        assert (
+            rows[name][-3:]
+            == f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}".split()
+        )
+    # population 16 x 8 bytes = 128 a generation: no validation within 200
+    assert rows["es"][-1] == "-"
     image = matplotlib.image.imread(tmp_path / "curves.png")
     assert image.shape[0] > 200 and image.shape[1] > 600 and image.std() > 0  # drawn, not blank
 
 
 def test_the_plot_draws_each_variants_mean_band_and_the_baselines():
-    run_ = {"validation": {2: 5.0, 4: 4.0}, "elapsed": {2: 1.0, 4: 2.0}, "tokens": {2: 10.0, 4: 20.0}}
-    other = {"validation": {2: 6.0, 4: 5.0}, "elapsed": {2: 1.5, 4: 3.0}, "tokens": {2: 10.0, 4: 20.0}}
+    run_ = {
+        "validation": {2: 5.0, 4: 4.0},
+        "elapsed": {2: 1.0, 4: 2.0},
+        "tokens": {2: 10.0, 4: 20.0},
+    }
+    other = {
+        "validation": {2: 6.0, 4: 5.0},
+        "elapsed": {2: 1.5, 4: 3.0},
+        "tokens": {2: 10.0, 4: 20.0},
+    }
     baselines = {"unigram": 7.0, "bigram": 6.5}
     results = {
         "corpus": {

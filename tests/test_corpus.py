@@ -23,7 +23,9 @@ def local_minipile():
         "validation": ["held out text"] * 40,
         "test": ["test"],
     }
-    return datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in texts.items()})
+    return datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in texts.items()}
+    )
 
 
 def test_minipile_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
@@ -57,7 +59,9 @@ def test_conversion_streams_batches(tmp_path):
                 yield {"text": [f"doc{i}-{j}" for j in range(2)]}
 
     corpus.convert_splits({"train": Batches()}, tmp_path, "mini")
-    assert (tmp_path / "mini_train.bin").read_bytes() == b"\0doc0-0\0doc0-1\0doc1-0\0doc1-1\0doc2-0\0doc2-1"
+    assert (
+        tmp_path / "mini_train.bin"
+    ).read_bytes() == b"\0doc0-0\0doc0-1\0doc1-0\0doc1-1\0doc2-0\0doc2-1"
 
 
 def test_unreachable_hub_is_one_line_naming_the_alternatives(tmp_path):
@@ -120,9 +124,12 @@ def test_folder_corpus_is_concatenated_with_separators_and_cached(tmp_path):
     assert cached[0].stat().st_mtime_ns == stamp  # reused, not rewritten
     edited = folder / "sub" / "c.txt"
     before = edited.stat().st_mtime_ns
-    edited.write_bytes(b"THIRD")  # same size, new contents: rebuilt (its time moved on, as in an edit)
+    # same size, new contents: rebuilt (its time moved on, as in an edit)
+    edited.write_bytes(b"THIRD")
     os.utime(edited, ns=(before + 10**9, before + 10**9))
-    assert bytes(corpus.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
+    assert (
+        bytes(corpus.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0first\0second\0THIRD"
+    )
     (folder / "a.txt").unlink()
     assert bytes(corpus.load_corpus(str(folder), str(tmp_path / "cache"))) == b"\0second\0THIRD"
 

@@ -27,7 +27,9 @@ def test_tensor_stats_match_numpy():
 
 
 def setup():
-    cfg = run.make_config(flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=4))
+    cfg = run.make_config(
+        flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=4)
+    )
     params = jax.tree.map(np.array, run.init_params(cfg, 0))  # writable copies
     rows = np.random.default_rng(0).integers(1, 256, (3, 12)).astype(np.uint8)
     return cfg, params, rows
@@ -38,8 +40,11 @@ def test_probe_sees_the_real_activations():
     seen = jax.tree.map(np.asarray, run.activations(params, rows, cfg))
     np.testing.assert_array_equal(seen["embedding"], params["emb"][rows])
     assert seen["gate"].shape == (3, 12, 2, 8) and seen["mlp_hidden"].shape == (3, 12, 2, 32)
-    assert seen["logits"].shape == (3, 12, 256) and (seen["mlp_hidden"] < 0).any()  # upstream's MLP: no ReLU
-    _, h = fitness_of_one_model(params, None, np.zeros((2, 2, 8), np.int8), rows[:2], rows[:2], 0, cfg)
+    # upstream's MLP: no ReLU
+    assert seen["logits"].shape == (3, 12, 256) and (seen["mlp_hidden"] < 0).any()
+    _, h = fitness_of_one_model(
+        params, None, np.zeros((2, 2, 8), np.int8), rows[:2], rows[:2], 0, cfg
+    )
     np.testing.assert_array_equal(seen["state"][:2, -1], h)  # the states after the last byte
 
 
@@ -64,7 +69,9 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     shares = moved_shares(np.asarray(moved), tensors)
     want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in run.PARAM_NAMES}
     assert (
-        shares == pytest.approx(want) and min(want.values()) < max(want.values()) and max(want.values()) > 0
+        shares == pytest.approx(want)
+        and min(want.values()) < max(want.values())
+        and max(want.values()) > 0
     )
 
 

@@ -44,7 +44,9 @@ def start(*flags, cwd: Path):
 def wait_for(condition, proc, seconds=240):
     deadline = time.time() + seconds
     while not condition():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1].decode()[-2000:]
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1].decode()[
+            -2000:
+        ]
         time.sleep(0.05)
 
 
@@ -52,7 +54,9 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_is_untouched(t
     """Two runs of the same name: the second is refused at once in one line naming the owner's
     host and PID, exit 2, and touches nothing of the first; a SIGKILLed owner's lock dies with it,
     so its own resume is never blocked."""
-    first = start(*TINY, "--run_name", "r", "--num_epochs", "100000", "--save_every", "2", cwd=tmp_path)
+    first = start(
+        *TINY, "--run_name", "r", "--num_epochs", "100000", "--save_every", "2", cwd=tmp_path
+    )
     checkpoints_dir = tmp_path / "runs" / "r" / "checkpoints"
     wait_for(lambda: len(checkpoints.checkpoints_in(checkpoints_dir)) >= 2, first)
     first.send_signal(signal.SIGSTOP)  # held still, so that its folder can be compared
@@ -140,7 +144,11 @@ def test_two_signals_stop_at_once(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM)  # at once, or the first's save won
+    # at once, or the first's save won
+    assert proc.returncode in (
+        -signal.SIGTERM,
+        128 + signal.SIGTERM,
+    )
     assert b"Traceback" not in err
 
 
@@ -171,7 +179,9 @@ def test_a_prompt_of_any_bytes_samples_during_training_shown_escaped(tmp_path):
         capture_output=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    samples = [x for x in done.stdout.decode().splitlines() if re.match(r"generation \d+ sample: ", x)]
+    samples = [
+        x for x in done.stdout.decode().splitlines() if re.match(r"generation \d+ sample: ", x)
+    ]
     assert len(samples) == 2 and all(
         x.split(" sample: ")[1].startswith("\\xff\\xfe\\x1b\\x07 ") for x in samples
     )
@@ -190,7 +200,9 @@ def test_a_failing_sample_or_record_is_a_warning_and_the_run_saves(tmp_path, mon
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(run, "sample_text", broken)
     monkeypatch.setattr(run.record.RunRecord, "log_wandb", broken)
-    result = in_process(capsys, *FOUR, "--runs_dir", str(tmp_path), "--sample_every", "2", "--track")
+    result = in_process(
+        capsys, *FOUR, "--runs_dir", str(tmp_path), "--sample_every", "2", "--track"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     warnings = [x for x in result.stdout.splitlines() if x.startswith("warning:")]
     assert warnings == [
@@ -202,15 +214,27 @@ def test_a_failing_sample_or_record_is_a_warning_and_the_run_saves(tmp_path, mon
     assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 4  # the file went on
 
 
-def test_a_population_that_cannot_fit_is_refused_naming_one_that_does(tmp_path, monkeypatch, capsys):
+def test_a_population_that_cannot_fit_is_refused_naming_one_that_does(
+    tmp_path, monkeypatch, capsys
+):
     """The compiled step's temporaries against the memory left, before the first generation: where
     they cannot fit, one line names about the largest population that does, and that population
     then trains in the same memory."""
-    big = [*TINY, "--runs_dir", str(tmp_path), "--num_epochs", "1", "--parallel_generations_per_gpu", "2048"]
+    big = [
+        *TINY,
+        "--runs_dir",
+        str(tmp_path),
+        "--num_epochs",
+        "1",
+        "--parallel_generations_per_gpu",
+        "2048",
+    ]
     needs = []
     real = cluster.check_memory
     monkeypatch.setattr(
-        cluster, "check_memory", lambda mesh, mib, *rest: needs.append(mib) or real(mesh, mib, *rest)
+        cluster,
+        "check_memory",
+        lambda mesh, mib, *rest: needs.append(mib) or real(mesh, mib, *rest),
     )
     assert in_process(capsys, *big, "--run_name", "measure").returncode == 0
     left = needs[0] * 2**20 / 3  # a third of what population 2048 needs
@@ -246,8 +270,9 @@ def test_a_run_continues_from_its_folder_alone_with_its_own_flags(tmp_path, caps
     )
     assert json.loads((runs / "r" / "config.json").read_text())["num_epochs"] == 6
     assert result.stdout.strip().splitlines()[-1] == (
-        "the run's record: runs/r; its newest checkpoint: runs/r/checkpoints/gen-00000006; sample: python "
-        "run.py --sample --resume runs/r; continue: python run.py --resume runs/r --num_epochs 12"
+        "the run's record: runs/r; its newest checkpoint: runs/r/checkpoints/gen-00000006; "
+        "sample: python run.py --sample --resume runs/r; continue: python run.py --resume runs/r "
+        "--num_epochs 12"
     )
 
 
@@ -256,42 +281,57 @@ def test_a_run_continues_from_its_folder_alone_with_its_own_flags(tmp_path, caps
     [
         (
             "missing",
-            "--resume missing: no such path; give a run folder, its checkpoints folder or one checkpoint",
+            "--resume missing: no such path; "
+            "give a run folder, its checkpoints folder or one checkpoint",
         ),
         ("a-file", "--resume a-file: a file, not a checkpoint; give a run folder"),
         ("empty", "--resume empty: no checkpoint there; give a run folder"),
     ],
 )
-def test_resume_of_what_is_no_checkpoint_says_what_it_is(tmp_path, monkeypatch, capsys, resume, said):
+def test_resume_of_what_is_no_checkpoint_says_what_it_is(
+    tmp_path, monkeypatch, capsys, resume, said
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "empty").mkdir()
     result = in_process(capsys, "--resume", resume)
-    assert result.returncode == 2 and result.stderr == f"error: {said}" + result.stderr.split(said, 1)[1]
+    assert (
+        result.returncode == 2
+        and result.stderr == f"error: {said}" + result.stderr.split(said, 1)[1]
+    )
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_save_dir_that_is_a_file_is_refused_in_words(tmp_path, capsys):
     (tmp_path / "taken").write_text("mine")
-    result = in_process(capsys, *TINY, "--runs_dir", str(tmp_path), "--save_dir", str(tmp_path / "taken"))
+    result = in_process(
+        capsys, *TINY, "--runs_dir", str(tmp_path), "--save_dir", str(tmp_path / "taken")
+    )
     assert result.returncode == 2
     assert (
-        result.stderr == f"error: cannot write checkpoints to --save_dir {tmp_path / 'taken'}: it is a file\n"
+        result.stderr
+        == f"error: cannot write checkpoints to --save_dir {tmp_path / 'taken'}: it is a file\n"
     )
     assert (tmp_path / "taken").read_text() == "mine"
 
 
 def test_a_stop_signal_in_the_last_generation_lets_the_run_finish(tmp_path, monkeypatch, capsys):
-    """The generation a signal interrupts is the last: the run has finished, exit 0, its end said."""
+    """The generation a signal interrupts is the last: the run has finished, exit 0, its end
+    said."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "Dispatched", signal_within(run, "Dispatched"))
     result = in_process(capsys, *TINY, "--run_name", "r", "--num_epochs", "1")
     assert result.returncode == 0 and "validation bits/byte" in result.stdout, result.stderr[-2000:]
-    assert checkpoints.checkpoints_in(tmp_path / "runs" / "r" / "checkpoints")[-1].name == "gen-00000001"
+    assert (
+        checkpoints.checkpoints_in(tmp_path / "runs" / "r" / "checkpoints")[-1].name
+        == "gen-00000001"
+    )
 
 
 def test_a_run_folder_that_is_also_its_save_dir_is_owned_once(tmp_path, capsys):
-    result = in_process(capsys, *FOUR, "--runs_dir", str(tmp_path), "--save_dir", str(tmp_path / "r"))
+    result = in_process(
+        capsys, *FOUR, "--runs_dir", str(tmp_path), "--save_dir", str(tmp_path / "r")
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert checkpoints.checkpoints_in(tmp_path / "r")[-1].name == "gen-00000004"
 
@@ -304,7 +344,9 @@ def test_resuming_an_older_checkpoint_into_its_own_folder_is_refused(tmp_path, c
     before, older = snapshot(tmp_path / "r"), tmp_path / "r" / "checkpoints" / "gen-00000002"
     result = in_process(capsys, "--resume", str(older), "--num_epochs", "6")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"error: --resume {older}: {tmp_path / 'r' / 'checkpoints'} holds later ")
+    assert result.stderr.startswith(
+        f"error: --resume {older}: {tmp_path / 'r' / 'checkpoints'} holds later "
+    )
     assert snapshot(tmp_path / "r") == before
     branch = in_process(capsys, "--resume", str(older), "--num_epochs", "6", "--run_name", "branch")
     assert branch.returncode == 0, branch.stderr[-2000:]
@@ -330,7 +372,10 @@ def test_a_supervised_child_takes_one_signal_twice_over_for_one(tmp_path):
         [sys.executable, "-c", ECHOED, cluster.SUPERVISED], cwd=ROOT, capture_output=True, text=True
     )
     assert (child.returncode, child.stdout.strip()) == (0, str(int(signal.SIGTERM))), child.stderr
-    assert "stopping at once" not in child.stderr and child.stderr.count("SIGTERM: stopping safely") == 1
+    assert (
+        "stopping at once" not in child.stderr
+        and child.stderr.count("SIGTERM: stopping safely") == 1
+    )
 
 
 def test_a_folder_on_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch):

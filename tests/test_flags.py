@@ -55,7 +55,11 @@ def test_upstream_flag_names_parse():
         ]
     )
     assert (args.use_clt, args.noise_reuse, args.rank) == (False, 0, 2)
-    assert (args.corpus.data, args.corpus.valid_data, args.parallel_generations_per_gpu) == ("x", "y", 64)
+    assert (args.corpus.data, args.corpus.valid_data, args.parallel_generations_per_gpu) == (
+        "x",
+        "y",
+        64,
+    )
 
 
 def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
@@ -70,7 +74,10 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
     assert changed == set(preset)  # each entry is a default that differs
     upstream = run.parse_args(["--algorithm", "upstream"])
     assert {k: flags.value(upstream, k) for k in preset} == preset
-    assert flags.replace(upstream, algorithm="egg", **{k: flags.value(ours, k) for k in changed}) == ours
+    assert (
+        flags.replace(upstream, algorithm="egg", **{k: flags.value(ours, k) for k in changed})
+        == ours
+    )
     for given in (["--use_clt"], ["--use-clt=True"], ["--use_clt", "true"]):
         assert run.parse_args(["--algorithm", "upstream", *given]).use_clt is True, given
     # runs apart: the name records upstream's sigma_shift and the preset
@@ -78,7 +85,9 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
         run.default_run_name(upstream)
         == run.default_run_name(dataclasses.replace(ours, sigma_shift=4)) + "-upstream"
     )
-    both = run.parse_args(["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"])
+    both = run.parse_args(
+        ["--algorithm", "upstream", "--no-fast_fitness", "--optimizer", "momentum"]
+    )
     assert (both.shaping, both.optimizer, both.sigma_shift) == ("normalised", "momentum", 4)
 
 
@@ -87,14 +96,23 @@ def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, mon
     with pytest.raises(SystemExit):
         run.parse_args(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--num_epochs", "--parallel_generations_per_gpu", "--no_use_clt", "--valid_data PATH"):
+    for flag in (
+        "--num_epochs",
+        "--parallel_generations_per_gpu",
+        "--no_use_clt",
+        "--valid_data PATH",
+    ):
         assert flag in text, flag
     assert "--num-epochs" not in text and "{None}" not in text
     (line,) = [x for x in text.splitlines() if "--valid_data PATH" in x]
-    assert "a separate validation file or folder (default: minipile's validation split, else" in line
+    assert (
+        "a separate validation file or folder (default: minipile's validation split, else" in line
+    )
     assert "--shaping STR" in text and "--optimizer STR" in text
     hints = {
-        name: next(m.help_behavior_hint for m in hint.__metadata__ if hasattr(m, "help_behavior_hint"))
+        name: next(
+            m.help_behavior_hint for m in hint.__metadata__ if hasattr(m, "help_behavior_hint")
+        )
         for name, (_, hint) in flags.hints_of(run.Args).items()
         if name in ("shaping", "optimizer")
     }
@@ -102,9 +120,16 @@ def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, mon
         "(default: normalised; one of: sign, normalised; upstream: sign; --fast_fitness: sign, "
         "--no-fast_fitness: normalised)"
     )
-    assert hints["optimizer"]("momentum") == "(default: momentum; one of: ztest, momentum; upstream: ztest)"
-    dashes = run.parse_args(["--num-epochs", "5", "--no-use-clt", "--parallel-generations-per-gpu=8"])
-    underscores = run.parse_args(["--num_epochs", "5", "--no-use_clt", "--parallel_generations_per_gpu=8"])
+    assert (
+        hints["optimizer"]("momentum")
+        == "(default: momentum; one of: ztest, momentum; upstream: ztest)"
+    )
+    dashes = run.parse_args(
+        ["--num-epochs", "5", "--no-use-clt", "--parallel-generations-per-gpu=8"]
+    )
+    underscores = run.parse_args(
+        ["--num_epochs", "5", "--no-use_clt", "--parallel_generations_per_gpu=8"]
+    )
     assert dashes == underscores and (dashes.num_epochs, dashes.use_clt) == (5, False)
 
 
@@ -125,7 +150,10 @@ def range_cases() -> list[tuple[list[str], str]]:
                 value = outside(end, is_open, step, kind)
                 why = f" ({facts.why})" if facts.why else ""
                 cases.append(
-                    ([f"--{name}", str(value)], f"--{name} must be {facts.allowed()}{why}, got {value}")
+                    (
+                        [f"--{name}", str(value)],
+                        f"--{name} must be {facts.allowed()}{why}, got {value}",
+                    )
                 )
     return cases
 
@@ -136,7 +164,9 @@ def test_the_ranges_cover_the_flags_whose_values_are_bounded():
     ranged = {name for name, facts in flags.facts_of(run.Args).items() if facts.ranged()}
     unbounded = {"presence_penalty", "sample_replica"}  # any value means something
     numbers = {
-        name for name in flags.hints_of(run.Args) if type(flags.value(run.Args(), name)) in (int, float)
+        name
+        for name in flags.hints_of(run.Args)
+        if type(flags.value(run.Args(), name)) in (int, float)
     }
     assert numbers - ranged == unbounded
     messages = [message for _, message in range_cases()]
@@ -147,7 +177,9 @@ def agent_command(sweep: dict, values: dict) -> list[str]:
     """The command line a W&B agent runs for one configuration, built with wandb's own code."""
     from wandb.sdk.launch.sweeps import utils
 
-    variables = utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in values.items()}})
+    variables = utils.create_sweep_command_args(
+        {"args": {k: {"value": v} for k, v in values.items()}}
+    )
     variables.update(env=[], interpreter=[], program=[])
     command = []
     for chunk in utils.create_sweep_command(list(sweep["command"])):
@@ -177,10 +209,14 @@ def test_every_sweep_point_reaches_the_script_as_a_valid_configuration(file):
             and args.parallel_generations_per_gpu == point["parallel_generations_per_gpu"]
         )
         if point.get("algorithm") == "upstream":  # upstream's algorithm, as the file says
-            assert all(flags.value(args, k) == v for k, v in flags.upstream_preset(run.Args).items())
+            assert all(
+                flags.value(args, k) == v for k, v in flags.upstream_preset(run.Args).items()
+            )
         else:  # egg-jax's defaults for every flag the file does not set
             defaults = run.Args()
-            assert all(flags.value(args, k) == flags.value(defaults, k) for k in fields - set(point))
+            assert all(
+                flags.value(args, k) == flags.value(defaults, k) for k in fields - set(point)
+            )
 
 
 def test_sweep_booleans_reach_the_script():
@@ -229,6 +265,13 @@ def test_a_choice_outside_its_table_is_refused_naming_the_entries():
         run.check_args(run.parse_args(["--shaping", "rank"]))
     with pytest.raises(run.UserError, match="--optimizer must be one of ztest, momentum, got sgd"):
         run.check_args(run.parse_args(["--optimizer", "sgd"]))
-    for argv in (["--optimizer", "adam"], ["--mlp_relu"], ["--no-mlp_relu"], ["--scale_shift", "3"]):
-        with pytest.raises(run.UserError, match=f"tried and not adopted .* after commit {run.RETIRED_AFTER}"):
+    for argv in (
+        ["--optimizer", "adam"],
+        ["--mlp_relu"],
+        ["--no-mlp_relu"],
+        ["--scale_shift", "3"],
+    ):
+        with pytest.raises(
+            run.UserError, match=f"tried and not adopted .* after commit {run.RETIRED_AFTER}"
+        ):
             run.parse_args(argv)

@@ -21,7 +21,11 @@ spec.loader.exec_module(gpu_check)
 def test_the_same_training_on_two_platforms_is_compared_by_its_checkpoints(tmp_path):
     device, device_xla, reference = gpu_check.same_training("cpu", tmp_path)
     assert device == device_xla == reference and len(device) == 16
-    assert {p.name for p in tmp_path.glob("runs-*")} == {"runs-device", "runs-device-xla", "runs-reference"}
+    assert {p.name for p in tmp_path.glob("runs-*")} == {
+        "runs-device",
+        "runs-device-xla",
+        "runs-reference",
+    }
 
 
 def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):
@@ -67,7 +71,8 @@ def test_the_models_product_kernels_go_by_the_name_a_trace_gives_them():
     assert kernels and all(k.bytes and k.macs for k in kernels)  # each costed as it declares
     calls = sum(k.runs for k in kernels)  # one entry for all of them, its calls summed
     assert modeled["int8_product"] > calls * bench.ROOFLINES["h100"].launch * 1e6 * 0.99
-    assert not [name for name in modeled if name.startswith("pallas_call")]  # none under its HLO name
+    # none under its HLO name
+    assert not [name for name in modeled if name.startswith("pallas_call")]
 
 
 def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
@@ -77,7 +82,8 @@ def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
     ]
     calls = []
 
-    def faulty(*operands, x_layered, interpret):  # every second call (the compiled side) is off by one
+    # every second call (the compiled side) is off by one
+    def faulty(*operands, x_layered, interpret):
         calls.append(interpret)
         options = dict(x_layered=x_layered, interpret=True, arithmetic=run.ARITHMETIC)
         out = kernel.product(*operands, **options)
@@ -85,9 +91,8 @@ def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
 
     lines = gpu_check.kernel_against_interpreter("cpu", faulty, shapes)
     assert len(calls) == 8 and lines[-1].endswith("4 cases, 4 DIFFER")
-    assert (
-        lines[0]
-        == "  n 32, m 16, 16 pairs, noise 0, gain 0, residual 0: 256 of 256 outputs differ, by up to 1"
+    assert lines[0] == (
+        "  n 32, m 16, 16 pairs, noise 0, gain 0, residual 0: 256 of 256 outputs differ, by up to 1"
     )
 
 
@@ -99,7 +104,10 @@ def test_xla_int8_products_are_compared_with_numpy_shape_by_shape():
 
     def faulty(w, x):  # 16-deep products summed twice, as Triton's were in the product kernel
         out = jnp.einsum(
-            "pmk,pkn->pmn", w, jnp.clip(x, -127, 127).astype(jnp.int8), preferred_element_type=jnp.int32
+            "pmk,pkn->pmn",
+            w,
+            jnp.clip(x, -127, 127).astype(jnp.int8),
+            preferred_element_type=jnp.int32,
         )
         return out * 2 if w.shape[-1] == 16 else out
 

@@ -19,9 +19,13 @@ def test_round_shift_is_symmetric_round_half_away_from_zero(shift):
     np.testing.assert_array_equal(got[::-1], -got)  # +noise and -noise stay opposite
 
 
-@pytest.mark.parametrize("divisor", [1, 2, 128, 256, 512, 16 * math.sqrt(128), 16 * math.sqrt(48), 100, 3])
+@pytest.mark.parametrize(
+    "divisor", [1, 2, 128, 256, 512, 16 * math.sqrt(128), 16 * math.sqrt(48), 100, 3]
+)
 def test_divide_to_int8_is_floor_division(divisor):
-    acc = np.concatenate([np.arange(-70000, 70000, 7), [-(2**31) + 1, 2**31 - 1, 0, 1, -1]]).astype(np.int32)
+    acc = np.concatenate([np.arange(-70000, 70000, 7), [-(2**31) + 1, 2**31 - 1, 0, 1, -1]]).astype(
+        np.int32
+    )
     got = np.asarray(run.divide_to_int8(jnp.asarray(acc), divisor)).astype(np.int64)
     want = np.clip(np.floor(acc.astype(np.float64) / divisor), -127, 127)
     if divisor == 2 ** int(math.log2(divisor)):

@@ -1,5 +1,5 @@
-"""The GPU program on the CPU: the product kernel (egg/kernel.py), interpreted by Pallas, against the
-layer norm, products and residual add that XLA computes, and a whole generation as a GPU runs it
+"""The GPU program on the CPU: the product kernel (egg/kernel.py), interpreted by Pallas, against
+the layer norm, products and residual add that XLA computes, and a whole generation as a GPU runs it
 (the kernel, each segment's noise built where it is used) against the CPU's, bit for bit."""
 
 import jax
@@ -29,7 +29,9 @@ def operands(rng, groups):
     "gain, residual, noisy",
     [(False, False, True), (True, False, True), (False, True, True), (True, False, False)],
 )
-def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_compute(gain, residual, noisy):
+def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_compute(
+    gain, residual, noisy
+):
     """Two replicas (sigma_shift 3 and 1), two repeats of 32 pairs, two matrices of one layer of
     three: every member's output equal to XLA's, with a layer norm before and a residual after."""
     rng = np.random.default_rng(3)
@@ -39,7 +41,9 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
     sides = run.make_sides(jnp.asarray(shifts), SIDES if noisy else 1)
     if not noisy:  # noise-free: the rows are one side's distinct pairs, one gain for all
         x = x[:, :, :, :1].reshape(2, 1, REPEATS * PAIRS, 1, N)
-    gains = rng.integers(-40, 41, (LAYERS, 2, 1, PAIRS, SIDES, N) if noisy else (LAYERS, 2, 1, 1, 1, N))
+    gains = rng.integers(
+        -40, 41, (LAYERS, 2, 1, PAIRS, SIDES, N) if noisy else (LAYERS, 2, 1, 1, 1, N)
+    )
     gains = gains.astype(np.int8)
     add = rng.integers(-127, 128, x.shape[:-1] + (M,)).astype(np.int8)
     got = kernel.product(
@@ -70,7 +74,9 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
     def call(x):
         gain = jnp.ones((LAYERS, 2, PAIRS, SIDES * N), jnp.int8)
         shifts, options = jnp.array([2, 3], jnp.int32), dict(x_layered=False, interpret=True)
-        return kernel.product(x, w, a, b, shifts, jnp.int32(0), gain, None, **options, arithmetic=run.ARITHMETIC)
+        return kernel.product(
+            x, w, a, b, shifts, jnp.int32(0), gain, None, **options, arithmetic=run.ARITHMETIC
+        )
 
     jaxpr = jax.make_jaxpr(call)(x.reshape(1, 2, -1, SIDES * N))
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
@@ -85,14 +91,16 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
     found = list(equations(body))
     dots = [e for e in found if e.primitive.name == "dot_general"]
     assert dots and all(
-        [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8] and e.outvars[0].aval.dtype == jnp.int32
+        [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]
+        and e.outvars[0].aval.dtype == jnp.int32
         for e in dots
     )
     dtypes = {v.aval.dtype for e in found for v in e.outvars if hasattr(v.aval, "dtype")}
     assert not [t for t in dtypes if jnp.issubdtype(t, jnp.floating)], dtypes
 
 
-GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)  # what make_config gives a GPU, interpreted
+# what make_config gives a GPU, interpreted
+GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)
 
 
 def counting_kernel_calls(monkeypatch) -> list:
@@ -160,7 +168,10 @@ def test_validation_as_a_gpu_runs_it_equals_the_cpus(monkeypatch):
     params = jax.vmap(lambda seed: run.init_params(cfg, seed))(jnp.array([0, 1]))
     rows = np.random.default_rng(2).integers(0, 256, (32, 9)).astype(np.uint8)
     calls = counting_kernel_calls(monkeypatch)
-    got = [np.asarray(run.make_evaluate(c, mesh)(params, rows)) for c in (cfg, cfg._replace(**GPU_LIKE))]
+    got = [
+        np.asarray(run.make_evaluate(c, mesh)(params, rows))
+        for c in (cfg, cfg._replace(**GPU_LIKE))
+    ]
     assert calls  # the GPU-like evaluation's products are the kernel's
     np.testing.assert_array_equal(*got)
 
@@ -200,6 +211,7 @@ def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch,
     assert cfg.kernels == "xla" == run.mesh_config(args, mesh).kernels
     assert capsys.readouterr().out == f"products by XLA, the same bits: {fault}\n"
     with pytest.raises(
-        UserError, match=r"^--kernels pallas: the GPU product kernel cannot run .*; use --kernels xla"
+        UserError,
+        match=r"^--kernels pallas: the GPU product kernel cannot run .*; use --kernels xla",
     ):
         run.start_devices(run.parse_args([*small, "--kernels", "pallas"]))

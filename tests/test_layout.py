@@ -44,8 +44,14 @@ def test_nothing_is_used_above_its_definition_except_from_main():
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "main":
             local = bound_inside(node)
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Name) and sub.id not in local and defined.get(sub.id, 0) > node.lineno:
-                    early.add(f"{node.name} (line {node.lineno}) uses {sub.id} (line {defined[sub.id]})")
+                if (
+                    isinstance(sub, ast.Name)
+                    and sub.id not in local
+                    and defined.get(sub.id, 0) > node.lineno
+                ):
+                    early.add(
+                        f"{node.name} (line {node.lineno}) uses {sub.id} (line {defined[sub.id]})"
+                    )
     assert not early, sorted(early)
 
 
@@ -79,17 +85,23 @@ def test_dependencies_point_one_way_and_the_docstrings_name_the_files():
     listing = ast.get_docstring(ast.parse((ROOT / "egg" / "__init__.py").read_text()))
     assert all(path.name in listing for path in PACKAGE if path.name != "__init__.py")
     docstring = ast.get_docstring(ast.parse(SOURCE))
-    assert all(name in docstring for name in ("egg/", "bench.py", "compare.py", "scripts/", "baselines/"))
+    assert all(
+        name in docstring for name in ("egg/", "bench.py", "compare.py", "scripts/", "baselines/")
+    )
 
 
 def test_importing_run_does_nothing():
     """No output, no JAX backend started, nothing written."""
     code = "import run, jax._src.xla_bridge as b; print(sorted(b._backends))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", ""), result.stderr[-2000:]
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", ""), result.stderr[
+        -2000:
+    ]
 
 
 def test_ci_runs_exactly_the_test_command_the_readme_gives():
     readme = (ROOT / "README.org").read_text()
-    command = re.search(r"\* Tests\n\n#\+begin_src sh\n.*?\n(.*?)\n#\+end_src", readme, re.S).group(1)
+    command = re.search(r"\* Tests\n\n#\+begin_src sh\n.*?\n(.*?)\n#\+end_src", readme, re.S).group(
+        1
+    )
     assert command.strip() in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -35,7 +35,8 @@ def largest(key, step, **base):
 
 
 def exact_shaped_scores(fitness) -> list[int]:
-    """--shaping normalised's scores in Python integers: sign(d) min(floor(16 |d| / mean|d|), 127)."""
+    """--shaping normalised's scores in Python integers: sign(d) min(floor(16 |d| / mean|d|),
+    127)."""
     diffs = [int(a) - int(b) for a, b in zip(fitness[0::2], fitness[1::2], strict=True)]
     mean = max(sum(abs(d) for d in diffs) // len(diffs), 1)
     return [((d > 0) - (d < 0)) * min(16 * abs(d) // mean, 127) for d in diffs]
@@ -89,14 +90,22 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     worst = int(run.log2_likelihood(jnp.asarray(logits), 65, run.make_tables(1)))
     assert -run.LL_BOUND <= worst < -254 * 16
     with_replica_axis = {k: v[None] for k, v in params.items()}
-    fitness = np.asarray(run.make_evaluate(cfg, cluster.population_mesh(run.POP))(with_replica_axis, rows))[0]
+    fitness = np.asarray(
+        run.make_evaluate(cfg, cluster.population_mesh(run.POP))(with_replica_axis, rows)
+    )[0]
     print(f"{tokens:,} tokens of log2-likelihood {worst}: fitness {fitness.tolist()}")
     assert fitness.tolist() == [worst * tokens] * 2 and worst * tokens < -(2**30)
     # the pair difference, in int32, through both shapings
-    pairs = jnp.asarray([0, worst * tokens, worst * tokens, 0, worst * tokens, worst * tokens], jnp.int32)
+    pairs = jnp.asarray(
+        [0, worst * tokens, worst * tokens, 0, worst * tokens, worst * tokens], jnp.int32
+    )
     for fast in (True, False):
-        scores = np.asarray(run.shape_fitness(pairs, cfg._replace(shaping="sign" if fast else "normalised"))).tolist()
-        assert scores == ([1, -1, 0] if fast else exact_shaped_scores(np.asarray(pairs))) != [0, 0, 0]
+        scores = np.asarray(
+            run.shape_fitness(pairs, cfg._replace(shaping="sign" if fast else "normalised"))
+        ).tolist()
+        assert (
+            scores == ([1, -1, 0] if fast else exact_shaped_scores(np.asarray(pairs))) != [0, 0, 0]
+        )
     one_line_error(
         in_process(capsys, "--tokens_per_update", str(tokens + 1), "--group_size", "2"),
         "use a smaller --tokens_per_update",
@@ -127,7 +136,9 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
     base = dict(shaping="normalised", use_clt=use_clt, segments=1)  # every pair's score at once
     population, error = largest("parallel_generations_per_gpu", 2, **base)
     assert "--shaping sign" in error
-    cfg = run.make_config(flags.replace(run.Args(), parallel_generations_per_gpu=population, **base))
+    cfg = run.make_config(
+        flags.replace(run.Args(), parallel_generations_per_gpu=population, **base)
+    )
     pairs = population // 2
     bounds = run.accumulator_bounds(cfg)
     biggest = run.LL_BOUND * (run.INT32_MAX // run.LL_BOUND)  # the largest pair difference allowed
@@ -150,7 +161,9 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
     assert rests_of_chunks <= bound <= run.INT32_MAX < sum(rests)  # one sum of them would overflow
     for name, size in cases.items():
         signs = rng.choice([-1, 1], pairs)
-        fitness = np.stack([np.where(signs > 0, 0, -size), np.where(signs > 0, -size, 0)], 1).ravel()
+        fitness = np.stack(
+            [np.where(signs > 0, 0, -size), np.where(signs > 0, -size, 0)], 1
+        ).ravel()
         got = np.asarray(run.shape_fitness(jnp.asarray(fitness, jnp.int32), cfg)).tolist()
         assert got == exact_shaped_scores(fitness), name
     print(f"population {population} (use_clt {use_clt}): scores exact")
@@ -158,14 +171,21 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
 
 @pytest.mark.parametrize("use_clt, fast", [(True, True), (False, True), (True, False)])
 def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
-    base = {"use_clt": use_clt, "shaping": "sign" if fast else "normalised", "n_embd": 4, "segments": 1}
+    base = {
+        "use_clt": use_clt,
+        "shaping": "sign" if fast else "normalised",
+        "n_embd": 4,
+        "segments": 1,
+    }
     population, error = largest("parallel_generations_per_gpu", 2048, **base)
     # normalised scores: the int8 operand of Z (weighted_shift) leaves the squared weights binding
     assert ("Z of" if fast else "squared pair weights") in error
     # 1024 distinct pairs, each shared by population / 2048 pairs: their summed scores are the
     # weights, so Z reaches the same worst case as population / 2 distinct pairs would
     cfg = run.make_config(
-        flags.replace(run.Args(), parallel_generations_per_gpu=population, num_perturbations=2048, **base)
+        flags.replace(
+            run.Args(), parallel_generations_per_gpu=population, num_perturbations=2048, **base
+        )
     )
     tables = run.make_tables(1)
     a = jnp.full((1024, 1, 1), WORST_NOISE, jnp.int8)
@@ -181,9 +201,9 @@ def test_z_at_the_largest_population_reaches_its_bound_exactly(use_clt, fast):
 @pytest.mark.parametrize("fast", [True, False])
 def test_bounds_count_every_segments_pairs(fast):
     """--segments S: one update weighs S times the pairs, so the largest population the bounds
-    allow (Z's with sign scores, the squared pair weights' with normalised ones) is 1 / S of the one without
-    segments (to the search's step), and the refusal names the flag; by default a population gets
-    the most segments, up to 10, that the bounds allow."""
+    allow (Z's with sign scores, the squared pair weights' with normalised ones) is 1 / S of the one
+    without segments (to the search's step), and the refusal names the flag; by default a population
+    gets the most segments, up to 10, that the bounds allow."""
     base = {"n_embd": 4, "tokens_per_update": 100, "shaping": "sign" if fast else "normalised"}
     alone, _ = largest("parallel_generations_per_gpu", 64, segments=1, **base)
     segmented, error = largest("parallel_generations_per_gpu", 64, segments=4, **base)
@@ -191,7 +211,9 @@ def test_bounds_count_every_segments_pairs(fast):
     assert segmented == alone // 4 // 64 * 64
     # the default (--segments 0) takes 10, or as many as the bound allows: every population runs
     for population in (2 * alone // 10, alone // 2, alone):
-        cfg = run.make_config(flags.replace(run.Args(), parallel_generations_per_gpu=population, **base))
+        cfg = run.make_config(
+            flags.replace(run.Args(), parallel_generations_per_gpu=population, **base)
+        )
         run.check_bounds(cfg)
         assert cfg.segments == min(10, alone // population)
         refused = cfg._replace(segments=cfg.segments + 1)

@@ -45,9 +45,10 @@ def window(cfg, rng, members):
     return states, tokens
 
 
+# 12: rescales by a multiply, not a shift
 @pytest.mark.parametrize(
     "n_embd, rank, sigma_shift", [(16, 1, 4), (16, 3, 2), (12, 2, 0), (16, 0, 3)]
-)  # 12: rescales by a multiply, not a shift
+)
 def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift):
     args = flags.replace(
         run.Args(),
@@ -86,7 +87,9 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
 
 def test_noise_free_logits_equal_the_reference_byte_by_byte():
     cfg = run.make_config(
-        flags.replace(run.Args(), n_embd=16, n_layer=3, parallel_generations_per_gpu=4, tokens_per_update=12)
+        flags.replace(
+            run.Args(), n_embd=16, n_layer=3, parallel_generations_per_gpu=4, tokens_per_update=12
+        )
     )
     rng = np.random.default_rng(3)
     params = random_params(cfg, rng)
@@ -94,16 +97,17 @@ def test_noise_free_logits_equal_the_reference_byte_by_byte():
     seen = jax.tree.map(np.asarray, run.activations(params, tokens, cfg))
     zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
     for row in range(3):
-        _, _, logits = reference.member_fitness(
-            params, None, 1, zero, tokens[row], tokens[row], 0
-        )
+        _, _, logits = reference.member_fitness(params, None, 1, zero, tokens[row], tokens[row], 0)
         np.testing.assert_array_equal(seen["logits"][row], logits)
 
 
 def test_reference_log_softmax_equals_run_over_the_whole_range():
     rng = np.random.default_rng(0)
     tables = run.make_tables(1)
-    cases = [rng.integers(-127, 128, 256) for _ in range(40)] + [np.full(256, 127), np.full(256, -127)]
+    cases = [rng.integers(-127, 128, 256) for _ in range(40)] + [
+        np.full(256, 127),
+        np.full(256, -127),
+    ]
     spike = np.full(256, -127)
     spike[9] = 127
     for logits in [*cases, spike]:
@@ -115,9 +119,10 @@ def test_reference_log_softmax_equals_run_over_the_whole_range():
 @pytest.mark.parametrize("shared, fast", [(True, False), (False, True)])
 def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fast):
     """--segments 3 of 7 bytes (2, 2 and 3 of them): member p evaluates segment s with pair
-    s D + p // 2's noise (D pairs a segment), from its pair's mean state (--shared_pair_state) or its
-    own; one Z-test update weighs every segment's pair. Reference: reference.member_fitness segment
-    by segment, the scores and Z (its int8 operand rounded as docs/design.org states) in numpy int64."""
+    s D + p // 2's noise (D pairs a segment), from its pair's mean state (--shared_pair_state) or
+    its own; one Z-test update weighs every segment's pair. Reference: reference.member_fitness
+    segment by segment, the scores and Z (its int8 operand rounded as docs/design.org states) in
+    numpy int64."""
     args = flags.replace(
         run.Args(),
         n_embd=8,
@@ -186,7 +191,8 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     assert moved > 0
     # the test's null counts every segment's pairs: as many pairs in one segment give its thresholds
     one = run.make_config(dataclasses.replace(args, segments=1, parallel_generations_per_gpu=24))
-    assert run.make_config(dataclasses.replace(args, segments=10)).segments == 7  # one byte each at most
+    # one byte each at most
+    assert run.make_config(dataclasses.replace(args, segments=10)).segments == 7
     assert run.null_std(cfg) == run.null_std(one) and run.null_std(cfg) != run.null_std(
         cfg._replace(segments=1)
     )

@@ -24,7 +24,9 @@ def pair_noise(c, bucket, pair, segment=0, seed=0):
 
 
 def flat(noise):
-    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(noise)]).astype(np.float64)
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(noise)]).astype(
+        np.float64
+    )
 
 
 def test_same_counters_give_the_same_values_jitted_or_not():
@@ -167,7 +169,11 @@ def test_full_rank_forward_equals_explicit_w_plus_sigma_e(sign):
         got = member_matmul(x, w, e, sign, sigma_shift)
         assert np.max(np.abs(got - want)) < 1  # the floor of the exact value
     full = pair_noise(c, 0, 0)
-    assert full["Wf"].shape == (2, 64, 64) and full["emb"].shape == (256, 64) and full["bf"].shape == (2, 64)
+    assert (
+        full["Wf"].shape == (2, 64, 64)
+        and full["emb"].shape == (256, 64)
+        and full["bf"].shape == (2, 64)
+    )
 
 
 @pytest.mark.parametrize("n", [256, 64, 48, 37, 8])
@@ -253,7 +259,9 @@ def test_segments_noise_is_independent_and_normal_like_segment_zeros():
         values = flat(jax.vmap(lambda w, s=s: run.words_to_noise(c, run.mix_segment(w, s)))(words))
         n = values.size
         assert abs(values.mean()) < 5 * math.sqrt(gauss.var() / n)
-        assert abs(values.var() - gauss.var()) < 5 * math.sqrt((np.mean(gauss**4) - gauss.var() ** 2) / n)
+        assert abs(values.var() - gauss.var()) < 5 * math.sqrt(
+            (np.mean(gauss**4) - gauss.var() ** 2) / n
+        )
         for other in range(s):
             x, y = (streams[i].view(np.uint8).astype(np.float64) for i in (s, other))
             assert abs(corr(gauss[x.astype(int)], gauss[y.astype(int)])) < 5 / math.sqrt(x.size)
@@ -264,15 +272,16 @@ def test_segments_noise_is_independent_and_normal_like_segment_zeros():
 
 
 def test_largest_sigma_shift_is_the_last_at_which_vectors_are_perturbed():
-    """--sigma_shift's range (its Facts) ends at the shift beyond which every table entry rounds to 0:
-    a vector moves by round_shift(q, sigma_shift + NOISE_FRAC - WEIGHT_FRAC) for a noise entry q,
+    """--sigma_shift's range (its Facts) ends at the shift beyond which every table entry rounds to
+    0: a vector moves by round_shift(q, sigma_shift + NOISE_FRAC - WEIGHT_FRAC) for a noise entry q,
     which is >= 1 while |q| >= 2**(shift - 1)."""
     table = jnp.asarray(run.make_tables(1).gauss)
     zero = jnp.zeros(table.shape, jnp.int8)
-    largest = int(np.abs(run.make_tables(1).gauss).max()).bit_length() - (run.NOISE_FRAC - run.WEIGHT_FRAC)
-    assert (
-        largest == flags.facts_of(run.Args)["sigma_shift"].high == 6
-    )  # the table's largest |entry| is 46 < 2**6
+    largest = int(np.abs(run.make_tables(1).gauss).max()).bit_length() - (
+        run.NOISE_FRAC - run.WEIGHT_FRAC
+    )
+    # the table's largest |entry| is 46 < 2**6
+    assert largest == flags.facts_of(run.Args)["sigma_shift"].high == 6
     for shift, perturbed in ((largest, True), (largest + 1, False)):
         moved = member_vector(zero, table, 1, shift)
         assert bool(np.any(moved != 0)) is perturbed, shift

@@ -67,7 +67,9 @@ def test_offline_wandb_run_and_local_record(tmp_path):
     for name in ("unigram", "bigram"):  # the summary's baselines, as logged beside validation
         value = lines[1][f"val/{name}_bits_per_byte"]
         assert f"baseline/{name}".encode() in raw and json.dumps(value).encode() in raw, name
-    (table,) = (tmp_path / "wandb").glob("offline-run-*/files/media/table/samples/text_*.table.json")
+    (table,) = (tmp_path / "wandb").glob(
+        "offline-run-*/files/media/table/samples/text_*.table.json"
+    )
     samples = json.loads(table.read_text())
     assert samples == {"columns": ["generation", "text"], "data": [[2, lines[1]["samples/text"]]]}
 
@@ -75,6 +77,8 @@ def test_offline_wandb_run_and_local_record(tmp_path):
 def test_a_record_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "metrics.jsonl").write_text('{"generation": 1}\n{"generation": 2}\n{"generation": 3}\n{"gener')
+    (folder / "metrics.jsonl").write_text(
+        '{"generation": 1}\n{"generation": 2}\n{"generation": 3}\n{"gener'
+    )
     record.RunRecord(folder, {}, {}, 2).close()
     assert (folder / "metrics.jsonl").read_text() == '{"generation": 1}\n{"generation": 2}\n'

@@ -17,9 +17,12 @@ from egg import checkpoints, pbt
 
 # three replicas: a fixed share, and two schedules with their own decay, each its own sigma_shift
 THREE = (
-    "--replicas 3 --replica_alpha 0.2 4 3 --replica_alpha_decay_timestep 1000 5 3 --replica_sigma_shift 3 4 5"
+    "--replicas 3 --replica_alpha 0.2 4 3 --replica_alpha_decay_timestep 1000 5 3 "
+    "--replica_sigma_shift 3 4 5"
 ).split()
-FOUR_PBT = "--replicas 4 --replica_alpha 0.05 0.2 3 4 --replica_sigma_shift 2 4 5 4 --pbt_every 2".split()
+FOUR_PBT = (
+    "--replicas 4 --replica_alpha 0.05 0.2 3 4 --replica_sigma_shift 2 4 5 4 --pbt_every 2".split()
+)
 
 
 def arrays(folder: Path) -> dict[str, np.ndarray]:
@@ -53,18 +56,26 @@ def final(runs: Path, generation: int) -> Path:
 # are of up to two steps (10,000 scored pairs an update). The defaults' and replicas with PBT's are
 # pinned where other tests train them (a fresh run in test_checkpoints.py, the PBT test below)
 PINNED = {
-    ("--segments", "1", "--sigma_shift", "4", "--init_std", "16"): ("585fb853352c648f", 8.686004638671875),
+    ("--segments", "1", "--sigma_shift", "4", "--init_std", "16"): (
+        "585fb853352c648f",
+        8.686004638671875,
+    ),
     ("--algorithm", "upstream"): ("62c67207657ffcd9", 8.52728271484375),
     ("--parallel_generations_per_gpu", "2500"): ("68e5d557289ed14a", 6.80712890625),
 }
-PBT_AFTER_FOUR = "1e909086b5b6f600"  # checkpoint_digest of FOUR_PBT's generation 4, commit 5423dfc's
+PBT_AFTER_FOUR = (
+    "1e909086b5b6f600"  # checkpoint_digest of FOUR_PBT's generation 4, commit 5423dfc's
+)
 
 
 @pytest.mark.parametrize("flags", list(PINNED))
 def test_a_run_holds_its_pinned_results_bit_for_bit(tmp_path, flags):
-    for replicas in ([], ["--replicas", "1"]) if "2500" not in flags else ([],):  # a run of one: the same
+    # a run of one: the same
+    for replicas in ([], ["--replicas", "1"]) if "2500" not in flags else ([],):
         given = [*TINY, "--num_epochs", "6", "--save_every", "0", *flags, *replicas]
-        metrics = run.train(run.parse_args([*given, "--runs_dir", str(tmp_path / str(len(replicas)))]))
+        metrics = run.train(
+            run.parse_args([*given, "--runs_dir", str(tmp_path / str(len(replicas)))])
+        )
         params = metrics["params"]
         digest = hashlib.sha256(b"".join(np.asarray(params[k]).tobytes() for k in sorted(params)))
         assert (digest.hexdigest()[:16], metrics["val/bits_per_byte"]) == PINNED[flags]
@@ -85,13 +96,21 @@ def test_each_replica_equals_its_settings_run_alone(tmp_path, capsys):
         for key, value in alone.items():
             assert np.array_equal(together[key][k], value), (k, key)
         alone_val = [
-            r["val/bits_per_byte"] for r in records(tmp_path / f"alone{k}") if "val/bits_per_byte" in r
+            r["val/bits_per_byte"]
+            for r in records(tmp_path / f"alone{k}")
+            if "val/bits_per_byte" in r
         ]
-        mine = [r[f"replica/{k}/val/bits_per_byte"] for r in logged if f"replica/{k}/val/bits_per_byte" in r]
+        mine = [
+            r[f"replica/{k}/val/bits_per_byte"]
+            for r in logged
+            if f"replica/{k}/val/bits_per_byte" in r
+        ]
         assert mine == alone_val and len(mine) == 2
     # the plain names carry the best replica's validation
     assert [r["val/bits_per_byte"] for r in logged if "val/bits_per_byte" in r] == [
-        min(r[f"replica/{k}/val/bits_per_byte"] for k in range(3)) for r in logged if "val/bits_per_byte" in r
+        min(r[f"replica/{k}/val/bits_per_byte"] for k in range(3))
+        for r in logged
+        if "val/bits_per_byte" in r
     ]
 
 
@@ -112,9 +131,8 @@ def test_pbt_step_ranks_copies_and_explores_deterministically():
         assert got.alpha_decay_timestep in (800, 1250)
         assert got.sigma_shift in {min(max(old.sigma_shift + d, 0), 6) for d in (-1, 0, 1)}
     assert [new[k] for k in (0, 1, 2, 3, 4, 6)] == [settings[k] for k in (0, 1, 2, 3, 4, 6)]
-    assert (
-        pbt.pbt_step(scores, settings, seed=0, generation=20, sigma_range=sigma)[1] == new
-    )  # the same draw on resume
+    # the same draw on resume
+    assert pbt.pbt_step(scores, settings, seed=0, generation=20, sigma_range=sigma)[1] == new
     # sigma_shift keeps the winner's half the time, else moves one up or down (never two)
     rng = np.random.default_rng(0)
     steps = [pbt.explore(settings[3], rng, sigma).sigma_shift - 3 for _ in range(2000)]
@@ -124,7 +142,10 @@ def test_pbt_step_ranks_copies_and_explores_deterministically():
     shares = [s._replace(alpha=0.9) for s in settings[:4]]
     source, new, _ = pbt.pbt_step([1.0] * 4, shares, seed=1, generation=2, sigma_range=sigma)
     assert source.tolist() == [0, 1, 2, 0] and new[3].alpha in (0.72, 1.0)
-    trees = {"w": np.arange(24, dtype=np.int8).reshape(4, 6), "m": np.arange(8, dtype=np.int16).reshape(4, 2)}
+    trees = {
+        "w": np.arange(24, dtype=np.int8).reshape(4, 6),
+        "m": np.arange(8, dtype=np.int16).reshape(4, 2),
+    }
     copied = pbt.copy_replicas(trees, np.array([0, 1, 2, 0], np.int32))
     for k, j in enumerate([0, 1, 2, 0]):
         assert all(np.array_equal(np.asarray(copied[n][k]), trees[n][j]) for n in trees)
@@ -145,10 +166,18 @@ def test_pbt_copies_exactly_and_a_resumed_pbt_run_is_bit_identical(tmp_path, cap
     assert checkpoints.checkpoint_digest(final(tmp_path / "whole", 4)) == PBT_AFTER_FOUR
     whole, parts = arrays(final(tmp_path / "whole", 4)), arrays(final(tmp_path / "parts", 4))
     assert all(np.array_equal(whole[k], parts[k]) for k in whole)
-    metas = [json.loads((final(tmp_path / x, 4) / "meta.json").read_text()) for x in ("whole", "parts")]
+    metas = [
+        json.loads((final(tmp_path / x, 4) / "meta.json").read_text()) for x in ("whole", "parts")
+    ]
     assert metas[0]["replica_settings"] == metas[1]["replica_settings"]
-    strip = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records(tmp_path / "whole")]
-    again = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records(tmp_path / "parts")]
+    strip = [
+        {k: v for k, v in r.items() if not k.startswith("perf/")}
+        for r in records(tmp_path / "whole")
+    ]
+    again = [
+        {k: v for k, v in r.items() if not k.startswith("perf/")}
+        for r in records(tmp_path / "parts")
+    ]
     assert strip == again
     # --sample picks the best replica of the last validation, or the one asked for
     sampled = in_process(
@@ -157,7 +186,12 @@ def test_pbt_copies_exactly_and_a_resumed_pbt_run_is_bit_identical(tmp_path, cap
     assert f"replica {metas[0]['best_replica']} of 4" in sampled.stdout
     one_line_error(
         in_process(
-            capsys, "--sample", "--resume", str(final(tmp_path / "whole", 4)), "--sample_replica", "4"
+            capsys,
+            "--sample",
+            "--resume",
+            str(final(tmp_path / "whole", 4)),
+            "--sample_replica",
+            "4",
         ),
         "--sample_replica 4",
     )
@@ -175,7 +209,9 @@ def test_pbt_replicas_on_one_and_two_by_two_devices_agree_bit_for_bit(tmp_path):
     assert "4 replicas of" in outs["two"] and "on 4 cpu device(s) in 2 process(es)" in outs["two"]
     got = {layout: arrays(final(tmp_path / layout, 4)) for layout in procs}
     assert all(np.array_equal(got["one"][k], got["two"][k]) for k in got["one"])
-    lineage = {layout: [r.get("pbt/lineage") for r in records(tmp_path / layout)] for layout in procs}
+    lineage = {
+        layout: [r.get("pbt/lineage") for r in records(tmp_path / layout)] for layout in procs
+    }
     assert lineage["one"] == lineage["two"] and lineage["one"][1]
 
 
@@ -217,4 +253,6 @@ def test_each_replica_is_its_own_series_in_wandb_with_lineage_and_diagnostics(tm
     for k in range(4):
         key = f"replica/{k}/val/bits_per_byte"
         assert key.encode() in raw and json.dumps(line[key]).encode() in raw
-    assert b"pbt/lineage" in raw and json.dumps(json.dumps(line["pbt/lineage"])).encode()[1:-1] in raw
+    assert (
+        b"pbt/lineage" in raw and json.dumps(json.dumps(line["pbt/lineage"])).encode()[1:-1] in raw
+    )

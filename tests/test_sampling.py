@@ -13,8 +13,8 @@ from egg import checkpoints, flags, sampling
 
 
 def logits_with(**bits):
-    """Log2-probabilities in bits for the given bytes, -4 elsewhere (int8 logits at 4 fractional bits:
-    -64 / 16)."""
+    """Log2-probabilities in bits for the given bytes, -4 elsewhere (int8 logits at 4 fractional
+    bits: -64 / 16)."""
     logits = np.full(256, -64, np.int8)
     for char, value in bits.items():
         logits[ord(char)] = value * 16
@@ -63,13 +63,16 @@ def test_sampling_is_reproducible_for_a_seed():
 
 def test_min_p_one_at_low_temperature_is_greedy_decoding():
     args, cfg, params = model()
-    args = dataclasses.replace(args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12)
+    args = dataclasses.replace(
+        args, temperature=1e-6, min_p=1.0, presence_penalty=0.0, max_new_bytes=12
+    )
 
     got = run.sample_text(params, cfg, args, seed=5).removeprefix(b"def ")
     text = list(b"\0def " + got)  # the prompt is read after a document separator
     zero = np.zeros((cfg.n_layer, cfg.n_embd), np.int64)
     _, _, logits = reference.member_fitness(params, None, 1, zero, text, text, 0)  # after each byte
-    for k, byte in enumerate(got):  # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
+    # each a most likely byte (int8 logits tie: min_p 1 keeps them all)
+    for k, byte in enumerate(got):
         assert logits[4 + k][byte] == logits[4 + k].max()
     assert len(got) == 12
 
@@ -78,7 +81,8 @@ def test_undecodable_and_control_bytes_are_shown_safely():
     assert sampling.printable(b"ok \xff\xfe caf\xc3\xa9") == "ok \\xff\\xfe caf\u00e9"
     shown = sampling.printable(b"\x1b[2J\x07\r\x00line\nnext\ttab \xc2\x85 \x7f")
     assert shown == "\\x1b[2J\\x07\\x0d\\x00line\nnext\ttab \\u0085 \\x7f"
-    assert sampling.prompt_bytes("\udcff\udcfe caf\u00e9") == b"\xff\xfe caf\xc3\xa9"  # as argv gives them
+    # as argv gives them
+    assert sampling.prompt_bytes("\udcff\udcfe caf\u00e9") == b"\xff\xfe caf\xc3\xa9"
 
 
 def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
@@ -106,7 +110,9 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")
     expected = sampling.printable(
-        run.sample_text(params, cfg, dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4)
+        run.sample_text(
+            params, cfg, dataclasses.replace(args, prompt="import ", max_new_bytes=30), seed=4
+        )
     )
     assert result.stdout.rstrip("\n") == expected
     one_line_error(in_process(capsys, "--sample"), "--sample needs --resume")

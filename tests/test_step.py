@@ -54,7 +54,8 @@ def jaxpr_dtypes(jaxpr):
 
 
 def step_and_evaluate(args, c, batch) -> tuple[dict, dict]:
-    """(params, {name: (program, its inputs)}) of a fresh run's training step and validation, one device."""
+    """(params, {name: (program, its inputs)}) of a fresh run's training step and validation, one
+    device."""
     mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
     replicas = run.replicas_of(args)
     params, opt, states = run.init_run(c, replicas)
@@ -85,7 +86,10 @@ def test_generation_step_and_validation_have_no_floating_point(overrides):
     _, programs = step_and_evaluate(args, c, batch)
     for name, (program, inputs) in programs.items():
         dtypes = jaxpr_dtypes(jax.make_jaxpr(program)(*inputs).jaxpr)
-        assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, (name, dtypes)
+        assert dtypes and not {d for d in dtypes if "float" in d or d.startswith("bf")}, (
+            name,
+            dtypes,
+        )
         hlo = program.lower(*inputs).compile().as_text()
         assert "s32" in hlo and not [t for t in FLOAT_TYPES if t in hlo], name
 
@@ -113,7 +117,9 @@ def run_generations(step, args, c, batch, generations=3):
     thresholds = z_thresholds(args, c)
     fitness = []
     for g in range(generations):
-        *carry, f, _ = one_model_step(step, carry, batch, g, thresholds[g], args.seed, args.sigma_shift)
+        *carry, f, _ = one_model_step(
+            step, carry, batch, g, thresholds[g], args.seed, args.sigma_shift
+        )
         fitness.append(f)
     return (*carry, fitness)
 
@@ -132,8 +138,12 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
 
 
 def test_num_perturbations_shares_noise_between_members():
-    args, c, batch = setup(num_perturbations=4, group_size=8, segments=1)  # one data sequence for all
-    params, states = run.init_params(c, args.seed), np.zeros((c.population, c.n_layer, c.n_embd), np.int8)
+    # one data sequence for all
+    args, c, batch = setup(num_perturbations=4, group_size=8, segments=1)
+    params, states = (
+        run.init_params(c, args.seed),
+        np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
+    )
     noise = run.generation_noise(c, args.seed, jnp.int32(0))
     assert jax.tree.leaves(noise)[0].shape[0] == 2
     tokens = np.repeat(batch, c.group_size, axis=0)
@@ -156,12 +166,13 @@ def test_shared_pair_state_gives_both_members_their_rounded_mean():
     thresholds = z_thresholds(args, c)[2]
 
     def fitness(step, states):
-        return one_model_step(step, (params, opt, states), batch, 2, thresholds, args.seed, args.sigma_shift)[
-            3
-        ]
+        return one_model_step(
+            step, (params, opt, states), batch, 2, thresholds, args.seed, args.sigma_shift
+        )[3]
 
     as_mean = fitness(step, np.asarray(run.pair_mean(jnp.asarray(states))))
-    np.testing.assert_array_equal(fitness(step, states), as_mean)  # the step starts from the pair means
+    # the step starts from the pair means
+    np.testing.assert_array_equal(fitness(step, states), as_mean)
     own = run.make_generation_step(
         c._replace(shared_pair_state=False), cluster.population_mesh(run.POP, jax.devices()[:1])
     )

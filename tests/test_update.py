@@ -19,7 +19,10 @@ from egg import flags
 def tiny(**overrides):
     """A model small enough for the entry-by-entry references: 4D-1L, 4 pairs, rank 2."""
     return upstream(
-        **{**dict(n_embd=4, n_layer=1, parallel_generations_per_gpu=8, num_epochs=10, rank=2), **overrides}
+        **{
+            **dict(n_embd=4, n_layer=1, parallel_generations_per_gpu=8, num_epochs=10, rank=2),
+            **overrides,
+        }
     )
 
 
@@ -29,8 +32,8 @@ def rounded(x: int, k: int) -> int:
 
 
 def operand_shift(c) -> int:
-    """docs/design.org's k: the smallest shift that brings every w_j a (w_j the summed scores of the pairs
-    sharing noise j, a an entry of A or its sign) within int8."""
+    """docs/design.org's k: the smallest shift that brings every w_j a (w_j the summed scores of the
+    pairs sharing noise j, a an entry of A or its sign) within int8."""
     repeats = c.population // (2 * c.distinct_pairs)
     largest = (int(np.abs(run.make_tables(c.rank).gauss).max()) if c.use_clt else 1) * repeats
     largest *= 1 if c.shaping == "sign" else 127
@@ -151,13 +154,17 @@ def test_alpha_schedule_is_upstreams():
     assert run.Args().alpha_decay_timestep == 1000  # upstream's default T
     assert flags.upstream_preset(run.Args)["alpha_floor"] == 0
     decay = alpha_schedule(
-        flags.replace(run.Args(), alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0)
+        flags.replace(
+            run.Args(), alpha=4.0, num_epochs=4001, alpha_decay_timestep=1000, alpha_floor=0
+        )
     )
     want = [1 / (15 * t / 1000 + 1) for t in range(4001)]  # 1 / ((2**alpha - 1) t / T + 1)
     np.testing.assert_allclose(decay, want, rtol=1e-15)
     assert decay[0] == 1.0 and decay[1000] == 1 / 16 and decay[4000] == 1 / 61  # no floor after T
     # the schedule depends on the generation only: extending --num_epochs continues it exactly
-    longer = alpha_schedule(flags.replace(run.Args(), alpha=3.0, num_epochs=50, alpha_decay_timestep=7))
+    longer = alpha_schedule(
+        flags.replace(run.Args(), alpha=3.0, num_epochs=50, alpha_decay_timestep=7)
+    )
     np.testing.assert_array_equal(
         alpha_schedule(flags.replace(run.Args(), alpha=3.0, num_epochs=20, alpha_decay_timestep=7)),
         longer[:20],
@@ -167,7 +174,9 @@ def test_alpha_schedule_is_upstreams():
 def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
     floor = run.Args().alpha_floor
     assert floor == 1 / 64  # the default, chosen in docs/results.org
-    args = flags.replace(run.Args(), alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor)
+    args = flags.replace(
+        run.Args(), alpha=4.0, num_epochs=6000, alpha_decay_timestep=1000, alpha_floor=floor
+    )
     bare = alpha_schedule(dataclasses.replace(args, alpha_floor=0.0))
     floored = alpha_schedule(args)
     crossing = 4201  # 1 / (15 t / 1000 + 1) < 1/64 from t > 63000 / 15 = 4200 on
@@ -182,7 +191,9 @@ def test_alpha_floor_stops_the_decay_and_leaves_the_fixed_share():
 
 
 def test_a_level_too_small_for_float64_moves_nothing():
-    args = upstream(alpha=60.0, num_epochs=3, alpha_decay_timestep=1, parallel_generations_per_gpu=64)
+    args = upstream(
+        alpha=60.0, num_epochs=3, alpha_decay_timestep=1, parallel_generations_per_gpu=64
+    )
     thresholds = z_thresholds(args, run.make_config(args))
     assert thresholds[0].tolist() == [0, 0] and (thresholds[2] == run.INT32_MAX).all()
 
@@ -198,13 +209,19 @@ def test_thresholds_use_the_library_normal_quantile():
 
 
 @pytest.mark.parametrize(
-    "overrides", [dict(), dict(use_clt=False), dict(shaping="normalised"), dict(rank=3), dict(rank=0)]
+    "overrides",
+    [dict(), dict(use_clt=False), dict(shaping="normalised"), dict(rank=3), dict(rank=0)],
 )
 def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     """With fitness unrelated to the noise, a level-alpha Z-test moves ~alpha of the entries."""
     alpha = 0.2
     args = upstream(
-        n_embd=16, n_layer=1, parallel_generations_per_gpu=512, num_epochs=1, alpha=alpha, **overrides
+        n_embd=16,
+        n_layer=1,
+        parallel_generations_per_gpu=512,
+        num_epochs=1,
+        alpha=alpha,
+        **overrides,
     )
     c = run.make_config(args)
     params = run.init_params(c, 0)
@@ -224,8 +241,9 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
 def null_z(cfg, rng, pairs, entries, fitness=None):
     """One generation under the null: scores shaped from fitness unrelated to the noise (normal
     unless given), and Z of `entries` matrix entries and `entries` vector entries drawn from the
-    noise tables, each from run.z_statistic and checked against a plain numpy sum of docs/design.org's
-    terms (float64: exact below 2**53). Returns them and the sum of squared scores."""
+    noise tables, each from run.z_statistic and checked against a plain numpy sum of
+    docs/design.org's terms (float64: exact below 2**53). Returns them and the sum of squared
+    scores."""
     tables = run.make_tables(cfg.rank)
 
     def draw(table, shape):
@@ -243,11 +261,16 @@ def null_z(cfg, rng, pairs, entries, fitness=None):
     np.testing.assert_array_equal(z_vector, shaped @ plain(vector))
     side = math.isqrt(entries)
     if cfg.rank:
-        a, b = draw(tables.gauss, (pairs, side, cfg.rank)), draw(tables.gauss_rank, (pairs, side, cfg.rank))
+        a, b = (
+            draw(tables.gauss, (pairs, side, cfg.rank)),
+            draw(tables.gauss_rank, (pairs, side, cfg.rank)),
+        )
         z_matrix = np.asarray(run.z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
         product = shaped[:, None, None].astype(np.int64) * plain(a).astype(np.int64)
         operand = round_half_away(product, operand_shift(cfg))
-        want = sum(operand[:, :, r].T.astype(np.float64) @ plain(b[:, :, r]) for r in range(cfg.rank))
+        want = sum(
+            operand[:, :, r].T.astype(np.float64) @ plain(b[:, :, r]) for r in range(cfg.rank)
+        )
     else:  # --rank 0: a matrix entry has one full-rank noise value, as a vector entry does
         full = draw(tables.gauss, (pairs, side, side))
         z_matrix = np.asarray(run.z_statistic(jnp.asarray(full), weights, cfg))
@@ -293,7 +316,10 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
         values = np.concatenate(samples[kind]).astype(np.float64)
         measured_std = values.std()
         share = np.mean(np.abs(values) > threshold)
-        print(f"{kind}: threshold {threshold}, z x measured std {z * measured_std:.1f}, share {share:.4f}")
+        print(
+            f"{kind}: threshold {threshold}, z x measured std {z * measured_std:.1f}, "
+            f"share {share:.4f}"
+        )
         assert abs(threshold / (z * measured_std) - 1) < 0.018, kind
         assert abs(share - alpha) < 0.009, kind
 
@@ -303,7 +329,8 @@ def reference_rule(z: int, m: int, threshold: int, shift: int, c) -> tuple[int, 
     u = max(-127, min(127, rounded(z, shift)))
     m = m - rounded(m, c.momentum_shift) + u
     bar = threshold + 1  # |m| > threshold: |m| >= threshold + 1
-    steps = max(k for k in range(c.max_step + 1) if abs(m) >= k * bar)  # bars' worth, at most max_step
+    # bars' worth, at most max_step
+    steps = max(k for k in range(c.max_step + 1) if abs(m) >= k * bar)
     return ((m > 0) - (m < 0)) * steps, 0 if steps else m
 
 
@@ -340,14 +367,18 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
         scores = rng.integers(-1, 2, 4) if c.shaping == "sign" else rng.integers(-127, 128, 4)
         params, state, moved = jax.tree.map(
             np.asarray,
-            es_update(params, state, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c),
+            es_update(
+                params, state, noise, jnp.asarray(scores, jnp.int32), thresholds[generation], c
+            ),
         )
         for name, z in reference_z(ref_params, noise, scores, c).items():
             kind = 0 if name in run.MATRICES else 1
             m = ref_state[f"m/{name}"]
             for index in np.ndindex(z.shape):
                 threshold = int(thresholds[generation][kind])
-                step, m[index] = reference_rule(int(z[index]), int(m[index]), threshold, shifts[kind], c)
+                step, m[index] = reference_rule(
+                    int(z[index]), int(m[index]), threshold, shifts[kind], c
+                )
                 ref_params[name][index] = min(127, max(-127, ref_params[name][index] + step))
                 longest = max(longest, abs(step))
         for key in state:
@@ -355,7 +386,8 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
         for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
-    assert (longest > 1) == (c.max_step > 1)  # moves of several steps were made, and only where allowed
+    # moves of several steps were made, and only where allowed
+    assert (longest > 1) == (c.max_step > 1)
 
 
 @pytest.mark.parametrize("momentum_shift, fast", [(2, True), (4, False)])
@@ -417,7 +449,8 @@ def test_scale_by_root_is_threshold_times_root_of_the_ratio_within_its_bound():
             assert got == run.INT32_MAX  # saturates: nothing can pass it
         else:
             assert abs(got - want) <= 1 + want * 2**-12, (t, s, s_null, got, want)
-    assert int(run.scale_by_root(jnp.int32(12345), jnp.int32(128), 128.0)) == 12345  # s = s_null: exact
+    # s = s_null: exact
+    assert int(run.scale_by_root(jnp.int32(12345), jnp.int32(128), 128.0)) == 12345
     assert int(run.scale_by_root(jnp.int32(run.INT32_MAX), jnp.int32(5), 128.0)) == run.INT32_MAX
     assert int(run.scale_by_root(jnp.int32(100), jnp.int32(0), 128.0)) == 0  # all ties
     assert [int(run.isqrt(jnp.int32(x))) for x in (0, 1, 3, 4, 15, 16, run.INT32_MAX)] == [
@@ -458,7 +491,9 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
             tied = rng.random(pairs) < 1 / 3
             values[1::2][tied] = values[0::2][tied]
         z_matrix, z_vector, square_sum = null_z(cfg, rng, pairs, 10_000, values.astype(np.int32))
-        scaled = run.scale_by_root(jnp.asarray(static), jnp.int32(square_sum), run.expected_square_sum(cfg))
+        scaled = run.scale_by_root(
+            jnp.asarray(static), jnp.int32(square_sum), run.expected_square_sum(cfg)
+        )
         for kind, z in ((0, z_matrix), (1, z_vector)):
             share[True].append(np.mean(np.abs(z) > int(scaled[kind])))
             share[False].append(np.mean(np.abs(z) > int(static[kind])))
@@ -472,9 +507,13 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     """--max_step 0 resolves by the scored pairs an update weighs (population / 2 x segments), and
     a checkpoint records the resolved value."""
 
-    def resolved(population, max_step=0):  # tiny() is upstream's, whose steps are 1: the default given
+    # tiny() is upstream's, whose steps are 1: the default given
+    def resolved(population, max_step=0):
         args = tiny(
-            parallel_generations_per_gpu=population, segments=1, optimizer="momentum", max_step=max_step
+            parallel_generations_per_gpu=population,
+            segments=1,
+            optimizer="momentum",
+            max_step=max_step,
         )
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
