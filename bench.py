@@ -396,8 +396,7 @@ def without_compilation_cache():
 
 
 def compile_target(args: Args, part: str):
-    """(compiled program, its kernels, config, compile seconds) of a generation step for
-    --target."""
+    """(compiled program, its kernels, config, compile seconds) of a step for --target."""
     mesh = target_mesh(args.target, args.target_devices)
     cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
     run.check_bounds(cfg)

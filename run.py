@@ -252,9 +252,8 @@ AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds r
 # --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
 # segments), one below (docs/results.org, "Population")
 STEP2_PAIRS = 10_000
-SEGMENT_STEP = (
-    0x9E3779B9  # odd (2**32 / golden ratio): segment s's words are word + s x this, remixed
-)
+# odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
+SEGMENT_STEP = 0x9E3779B9
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
 PARAM_NAMES = ("emb", *BLOCK, "ln_out", "head")  # the order of the noise stream and the counts
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
@@ -263,8 +262,7 @@ i32 = jnp.int32
 
 
 def kind_of(name: str) -> int:
-    """MATRIX or VECTOR: which of a (matrix, vector) pair of null stds or thresholds a parameter
-    takes."""
+    """MATRIX or VECTOR: which null std and threshold of a (matrix, vector) pair it takes."""
     return MATRIX if name in MATRICES else VECTOR
 
 
@@ -407,8 +405,7 @@ class Sides(NamedTuple):
 
 
 def make_sides(sigma_shifts_K, sides: int) -> Sides:
-    """Sides of S = `sides` (2: antithetic pairs, 1: noise-free) for replicas with these
-    sigma_shifts."""
+    """Sides of S = `sides` (2: antithetic pairs, 1: noise-free) for these replicas' shifts."""
     sign = jnp.array([1, -1][:sides], i32).reshape(1, 1, 1, sides)
     return Sides(sign, sigma_shifts_K.reshape(-1, 1, 1, 1))
 
@@ -668,11 +665,8 @@ def block(x, states, layer, model: Model):
     (hidden,) = products(model, x, layer, ("W1",), gain="ln2")  # (..., 4E), no nonlinearity
     (x,) = products(model, hidden, layer, ("W2",), residual=x)
     gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
-    return (
-        x,
-        h,
-        {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x},
-    )
+    seen = {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
+    return x, h, seen
 
 
 def token_logits(model: Model, states, tok_RxDxS):
@@ -813,8 +807,7 @@ def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
 
 
 def noise_pairs(cfg: Config) -> int:
-    """Pairs with their own noise in one generation: segment s's pair k has index s D + k (D
-    distinct)."""
+    """Pairs with their own noise in a generation: segment s's pair k is s D + k (D distinct)."""
     return cfg.segments * cfg.distinct_pairs
 
 
@@ -1108,8 +1101,7 @@ def z_thresholds(cfg: Config, alpha: float) -> np.ndarray:
 
 
 def replica_inputs(cfg: Config, replicas: list[Replica], generation: int) -> tuple:
-    """The step's per-replica int32 arguments at a generation: thresholds (K, 2), seeds (K,),
-    sigma_shifts (K,)."""
+    """The step's per-replica int32 arguments: thresholds (K, 2), seeds (K,), sigma_shifts (K,)."""
     thresholds = np.stack([z_thresholds(cfg, alpha_at(cfg, r, generation)) for r in replicas])
     seeds, sigma_shifts = np.array([(r.seed, r.sigma_shift) for r in replicas], np.int32).T
     return thresholds, seeds, sigma_shifts
@@ -1202,8 +1194,7 @@ def fewer_pairs(cfg: Config) -> str:
 
 
 def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
-    """{accumulator: (largest magnitude it can reach, what would shrink it)}, the shaping's own
-    among them."""
+    """{accumulator: (largest magnitude it can reach, what would shrink it)}, the shaping's too."""
     tables, shaping = make_tables(cfg.rank), SHAPINGS[cfg.shaping]
     a_max = int(np.abs(tables.gauss).max())
     b_max = int(np.abs(tables.gauss_rank).max())
@@ -2081,6 +2072,7 @@ def train(args: Args) -> dict:
                 if diagnosing:
                     with record.tolerated(f"generation {done}'s diagnostics", console.log):
                         health = diagnose(cfg, carry[0], moved, data)  # sync point
+                        settings = [r._asdict() for r in replicas]  # as PBT left them
                         metrics |= record.replica_metrics(health, settings, summary=False)
                         for k, values in enumerate(health if args.diagnostics.debug else []):
                             who = f" replica {k}" if cfg.replicas > 1 else ""

@@ -125,8 +125,7 @@ def read_arrays(folder: Path):
 
 
 def matches(arrays: dict, expected: dict, stored: tuple) -> bool:
-    """Whether arrays have exactly the expected names, shapes (after the `stored` axes) and
-    dtypes."""
+    """Whether arrays have the expected names, shapes (after the `stored` axes) and dtypes."""
     found = {k: (v.shape, v.dtype) for k, v in arrays.items()}
     return found == {k: (stored + shape, np.dtype(dtype)) for k, (shape, dtype) in expected.items()}
 
@@ -200,8 +199,7 @@ class Checkpointer:
     def write(
         self, name: str, arrays: tuple, generation: int, val_bpb: float, extra: dict, pointer: str
     ) -> Path:
-        """Save (params, rule_state, states) as the folder `name` and point `pointer` (LATEST, BEST)
-        at it."""
+        """Save (params, rule_state, states) as folder `name`, and name it in `pointer`."""
         folder = self.dir / name
         if self.writer:
             meta = {

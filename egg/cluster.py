@@ -217,8 +217,7 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 def local_copy(x: jax.Array, axis: int) -> np.ndarray:
-    """This process's part of an array sharded over the population, its `axis` (no
-    communication)."""
+    """This process's part of an array sharded over the population on `axis` (no communication)."""
     shards = sorted(x.addressable_shards, key=lambda shard: shard.index[axis].start or 0)
     return np.concatenate([np.asarray(shard.data) for shard in shards], axis=axis)
 
@@ -235,8 +234,7 @@ def peak_rss() -> float:
 
 
 def peak_memory() -> tuple[float, str]:
-    """Peak device memory on an accelerator, else the process's peak resident set size: (GiB,
-    what)."""
+    """Peak device memory on an accelerator, else this process's peak RSS: (GiB, what)."""
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 2**30, "device memory"
@@ -244,8 +242,7 @@ def peak_memory() -> tuple[float, str]:
 
 
 def host_memory_left() -> float:
-    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite where it is
-    unknown)."""
+    """Bytes the host can still give (MemAvailable of /proc/meminfo; infinite if unknown)."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:

@@ -18,7 +18,7 @@ import pytest
 from helpers import ROOT, TINY, checkpoint_digest, in_process
 
 import run
-from egg import checkpoints, cluster
+from egg import checkpoints, cluster, record
 
 FOUR = [*TINY, "--num_epochs", "4", "--save_every", "2", "--run_name", "r"]
 
@@ -199,7 +199,7 @@ def test_a_failing_sample_or_record_is_a_warning_and_the_run_saves(tmp_path, mon
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setattr(run, "sample_text", broken)
-    monkeypatch.setattr(run.record.RunRecord, "log_wandb", broken)
+    monkeypatch.setattr(record.RunRecord, "log_wandb", broken)
     result = in_process(
         capsys, *FOUR, "--runs_dir", str(tmp_path), "--sample_every", "2", "--track"
     )
