@@ -55,7 +55,7 @@ from egg import (
     supervisor,
 )
 from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_copy, local_copy
-from egg.files import own
+from egg.files import EX_IOERR, NoRoom, own
 from egg.flags import (
     aliases,
     check_range,
@@ -1776,7 +1776,7 @@ def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     settings = {k: v for k, v in flat(args).items() if facts_of(Args)[k].training}
     # as JSON has them
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-    fingerprint = resume.data_fingerprint(data)
+    fingerprint = corpus.fingerprint(data)
     return {**settings, "max_step": cfg.max_step, "population": cfg.population, "data": fingerprint}
 
 
@@ -1936,63 +1936,66 @@ def train(args: Args) -> dict:
         check_args(args)
         args, mesh, cfg = start_devices(args)
         stop.again()  # jax.distributed installs a SIGTERM handler of its own
-        replicas = replicas_of(args)
-        check_bounds(cfg)
-        check_z_test(cfg, replicas)
-        writer = jax.process_index() == 0  # process 0 alone prints, records and writes checkpoints
-        folders = run_folders(args)
-        places = [
-            (folders.run, "metrics to --runs_dir", "--run_name"),
-            (folders.checkpoints, "checkpoints to --save_dir", "--save_dir"),
-        ]
-        places = places if writer else []
-        for place in places:  # a folder another run owns is refused at once
-            own(*place, probe=True)
-        with stop.interruptible("while reading the data: nothing saved"):
-            data = read_data(args, cfg, mesh)
-        claims = [own(*place) for place in places]  # the run's own until the process ends
+        # Each process's refusals are the run's: process 0 alone owns the folders, every process
+        # reads the data and the checkpoint; one refusing, all end in the same line.
+        with cluster.refused_together():
+            replicas = replicas_of(args)
+            check_bounds(cfg)
+            check_z_test(cfg, replicas)
+            # process 0 alone prints, records and writes checkpoints
+            writer = jax.process_index() == 0
+            folders = run_folders(args)
+            places = [
+                (folders.run, "metrics to --runs_dir", "--run_name"),
+                (folders.checkpoints, "checkpoints to --save_dir", "--save_dir"),
+            ]
+            places = places if writer else []
+            for place in places:  # a folder another run owns is refused at once
+                own(*place, probe=True)
+            with stop.interruptible("while reading the data: nothing saved"):
+                data = read_data(args, cfg, mesh)
+            claims = [own(*place) for place in places]  # the run's own until the process ends
+            # where it starts: fresh, or the checkpoint it continues (egg/resume.py finds it)
+            wanted = resume.Wanted(
+                expected=expected_arrays(cfg),
+                identity=training_identity(args, cfg, data.train),
+                conditions=rule_conditions(),
+                aliases=aliases(Args),
+                retired=RETIRED_SETTINGS,
+                retired_after=RETIRED_AFTER,
+            )
+            how, allow = args.checkpoints.resume, args.checkpoints.allow_changes
+            found = resume.continue_from(how, folders.checkpoints, wanted, allow, writer)
 
-        # Where it starts: fresh, or the checkpoint it continues (egg/resume.py finds and checks
-        # it), whose states or rule state start afresh where they cannot carry over.
+        # The arrays it starts from: the checkpoint's, where they carry over, else fresh ones.
         params, rule_state, states = init_run(cfg, replicas)
-        wanted = resume.Wanted(
-            expected=expected_arrays(cfg),
-            identity=training_identity(args, cfg, data.train),
-            conditions=rule_conditions(),
-            aliases=aliases(Args),
-            retired=RETIRED_SETTINGS,
-            retired_after=RETIRED_AFTER,
-        )
-        allow = args.checkpoints.allow_changes
-        found = resume.continue_from(
-            args.checkpoints.resume, folders.checkpoints, wanted, allow, writer
-        )
         start = found.meta["generation"] if found else 0
         if found is not None:
             params = found.params
             rule_state = rule_state if found.rule_state is None else found.rule_state
             states = states if found.states is None else found.states
-            # the checkpoint's replica settings, as PBT left them, unless --allow_changes took
-            # new ones
+            # the replicas' settings as PBT left them, unless --allow_changes took new ones
             recorded = found.meta.get("replica_settings")
             if recorded and not set(found.changes) & set(pbt.SETTING_FLAGS):
                 replicas = [Replica(**x) for x in recorded]
-        keep = args.checkpoints.keep_checkpoints
-        model, identity = wanted.expected.model, wanted.identity
+        keep, model = args.checkpoints.keep_checkpoints, wanted.expected.model
         checkpointer = checkpoints.Checkpointer(
-            folders.checkpoints, flat(args), keep, identity, writer, model, cfg.replicas
+            folders.checkpoints, flat(args), keep, wanted.identity, writer, model, cfg.replicas
         )
         if found is not None:
             checkpointer.best = found.meta.get("best_val_bits_per_byte", math.inf)
-        carry = on_mesh(params, rule_state, states, mesh)  # (params, rule state, states), donated
+        # (params, rule state, states): donated to the step, which returns their next values
+        carry = on_mesh(params, rule_state, states, mesh)
         console = record.Console(args.num_epochs, start, writer, started)
-        scores, leader = [math.nan] * cfg.replicas, 0  # each replica's last validation; the best
+        # each replica's last validation bits/byte, and the best replica
+        scores, leader = [math.nan] * cfg.replicas, 0
         if start >= args.num_epochs:
             more = f"the checkpoint is at generation {start}; give --num_epochs above it"
             console.log(f"nothing to do: {more}")
             ended = Ended(scores, leader, replicas, stopped=True)
             return finish(console, args, cfg, folders, carry[0], {}, ended)
-        changes = resume.describe_changes(found.changes) if found else ""  # --allow_changes let by
+        # what --allow_changes let by
+        changes = resume.describe_changes(found.changes) if found else ""
         if found is not None:
             at = f"{found.folder} at generation {start}"
             console.log(f"resuming from {at}; changed: {changes or 'nothing'}")
@@ -2005,7 +2008,8 @@ def train(args: Args) -> dict:
         compiled = compile_now(step.lower(*carry, batch, np.int32(start), *inputs))
         console.log(compiled.describe("generation step", "generation"))
         members = args.parallel_generations_per_gpu
-        cluster.check_memory(mesh, compiled.temporaries, members, member_unit(args))
+        with cluster.refused_together():  # each process checks its own devices' memory
+            cluster.check_memory(mesh, compiled.temporaries, members, member_unit(args))
         saved = f"{found.folder} stays the newest checkpoint" if found else "nothing saved"
         stop.check(f"before generation {start + 1}: {saved}")
         baselines = corpus.describe_baselines(data.baselines)
@@ -2022,7 +2026,7 @@ def train(args: Args) -> dict:
         # bytes and records the one before; the host waits for a generation only where its values
         # are needed: to validate, diagnose, sample, save or stop.
         metrics, stopping, pending = {}, False, None
-        with awaiting_jax_verdict(args.cluster.heartbeat_timeout):
+        with console.ends_with_the_bar(), awaiting_jax_verdict(args.cluster.heartbeat_timeout):
             for generation in range(start, args.num_epochs):
                 done = generation + 1
                 last = done == args.num_epochs
@@ -2146,13 +2150,15 @@ def main(argv: list[str] | None = None) -> None:
             script, process = Path(__file__).resolve(), args.cluster.proc_id
             raise SystemExit(supervisor.supervise(script, argv, run_folders(args), process))
         args = prepare_jax(args)
-        sample(args) if args.sampling.sample else train(args)
+        with cluster.compilation_cache_watched():
+            sample(args) if args.sampling.sample else train(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (
-        cluster.Stopped
-    ) as stopped:  # before anything was left to save (docs/design.org: exit codes)
+    except NoRoom as error:  # a write the run needs failed: say what is saved, and how to go on
+        print(f"error: {error}; {record.after_a_failed_write(run_folders(args))}", file=sys.stderr)
+        raise SystemExit(EX_IOERR) from None
+    except cluster.Stopped as stopped:  # before anything was saved (docs/design.org: exit codes)
         raise SystemExit(stopped.say()) from None
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import tyro
 
 from egg import UserError
-from egg.files import atomic_file, temporary, write_atomic
+from egg.files import NoRoom, atomic_file, out_of_room, temporary, write_atomic
 from egg.flags import flag
 
 
@@ -65,19 +65,30 @@ class UnreadableCheckpoint(UserError):
 
 
 def save_checkpoint(folder: Path, params, rule_state, states, meta: dict) -> None:
-    """Write a checkpoint folder atomically (nothing happens if it already exists)."""
+    """Write a checkpoint folder atomically (nothing happens if it already exists). Where the
+    device has no room for it (files.NoRoom), what was written of it is removed."""
     if folder.exists():
         return
     tmp = temporary(folder)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     files = {"params.npz": params, "states.npz": {"states": states}, "optimizer.npz": rule_state}
-    for name, arrays in files.items():
-        if arrays:  # no optimizer.npz for a rule that keeps no state
-            with atomic_file(tmp / name) as f:
-                np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
-    write_atomic(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
-    os.replace(tmp, folder)
+    text = (json.dumps(meta, indent=1) + "\n").encode()
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, arrays in files.items():
+            if arrays:  # no optimizer.npz for a rule that keeps no state
+                with atomic_file(tmp / name) as f:
+                    np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
+        write_atomic(tmp / "meta.json", text)
+        os.replace(tmp, folder)
+    except OSError as error:
+        if not out_of_room(error):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        arrays = [np.asarray(v) for group in files.values() for v in (group or {}).values()]
+        raise NoRoom(
+            f"checkpoint {folder}", sum(a.nbytes for a in arrays) + len(text), error
+        ) from None
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -214,7 +225,14 @@ class Checkpointer:
                 **extra,
             }
             save_checkpoint(folder, *arrays, meta)
-            write_atomic(self.dir / pointer, name.encode())
+            try:
+                write_atomic(self.dir / pointer, name.encode())
+            except OSError as error:
+                if not out_of_room(error):
+                    raise
+                raise NoRoom(
+                    f"the pointer {self.dir / pointer} to {name}", len(name), error
+                ) from None
         return folder
 
     def save(self, generation: int, arrays: tuple, val_bpb: float, extra: dict) -> Path:

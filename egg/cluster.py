@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,43 @@ def enable_compilation_cache(dir_path: str) -> None:
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", str(Path(dir_path) / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+CACHE_WRITE_FAILED = "Error writing persistent compilation cache entry"  # JAX's warning's start
+
+
+@contextmanager
+def compilation_cache_watched(log=print):
+    """Within: JAX's warnings of compilation cache entries it could not write (a full disk, a
+    quota) said once, in one line; the cache then left alone for the rest of the run (programs
+    compile anew next time), and the entries JAX left empty removed."""
+    previous, said, started = warnings.showwarning, [], time.time()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if not text.startswith(CACHE_WRITE_FAILED):
+            return previous(message, category, filename, lineno, file, line)
+        # "... entry for 'NAME': OSError: [Errno 28] No space left on device": NAME's entries
+        # written since the run started hold what JAX could write of this one, which is no entry
+        folder = Path(jax.config.jax_compilation_cache_dir or ".")
+        name = text.partition("'")[2].partition("'")[0]
+        for entry in folder.glob(f"{name}-*-cache"):
+            if entry.is_file() and entry.stat().st_mtime >= started:
+                entry.unlink(missing_ok=True)
+        if not said:
+            said.append(text)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", math.inf)
+            reason = text.rpartition("] ")[2] if "] " in text else text.rpartition(": ")[2]
+            log(
+                f"warning: cannot write the compilation cache in {folder} ({reason}): programs "
+                "compile anew next time"
+            )
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def prepare(
@@ -187,10 +225,8 @@ def population_mesh(axis: str, devices=None) -> jax.sharding.Mesh:
     if devices is None:
         try:
             devices = jax.devices()
-        except (
-            RuntimeError,
-            AssertionError,
-        ) as error:  # JAX asserts where a plugin failed to start
+        # JAX asserts where a plugin failed to start
+        except (RuntimeError, AssertionError) as error:
             reason = (QuietPluginErrors.seen or [str(error) or "no device"])[-1].splitlines()[0]
             raise UserError(
                 f"JAX cannot start platform {jax.config.jax_platforms}: {reason}"
@@ -390,6 +426,35 @@ def stop_requested(stop: StopSignal) -> bool:
 
     flags = multihost_utils.process_allgather(np.array([stop.received is not None], np.int8))
     return bool(np.max(flags))
+
+
+REFUSAL_BYTES = 1024  # the longest refusal a process shares with the others (UTF-8, cut there)
+
+
+@contextmanager
+def refused_together():
+    """Within: this process's refusal (a UserError) is held to the block's end, where every process
+    of the run learns every one's (a gather of REFUSAL_BYTES each: a sync point) and raises the
+    first: a run one process refuses (process 0 alone owns the folders) ends in the same line, exit
+    2, on every process, within seconds. A run of one process: its refusal, as it comes."""
+    refusal = None
+    try:
+        yield
+    except UserError as error:
+        if jax.process_count() == 1:
+            raise
+        refusal = error
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    said = str(refusal).encode()[: REFUSAL_BYTES - 1] if refusal is not None else b""
+    mine = np.zeros(REFUSAL_BYTES, np.uint8)
+    mine[: len(said)] = np.frombuffer(said, np.uint8)
+    for row in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, REFUSAL_BYTES):
+        text = bytes(row).rstrip(b"\0").decode(errors="replace")
+        if text:
+            raise UserError(text)
 
 
 @contextmanager

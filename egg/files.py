@@ -2,10 +2,15 @@
 hidden temporary name, .NAME.tmpPID, fsynced and renamed into place, so a kill at any moment never
 leaves half of one under its real name. A run owns its folders (own): a lock the kernel drops when
 the process ends, however it ends, so a second run is refused while the first lives and a killed
-run never blocks its own resume; what temporaries an owned folder holds are a dead run's."""
+run never blocks its own resume; what temporaries an owned folder holds are a dead run's.
+
+A write that fails for want of room (a full disk, a quota) or by the device's fault is NoRoom where
+the run cannot go on without it: one line saying what could not be written and how much room it
+needed, exit code EX_IOERR; where it can (a cache), a warning."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -16,6 +21,31 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from egg import UserError
+
+EX_IOERR = 74  # sysexits.h: a write the run needs failed (NoRoom)
+ROOM_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # no space, over quota, the device failing
+
+
+def out_of_room(error: BaseException) -> bool:
+    """Whether an error is a write's that failed for want of room or by the device (ROOM_ERRORS)."""
+    return isinstance(error, OSError) and error.errno in ROOM_ERRORS
+
+
+def size_text(size: int) -> str:
+    """A size in bytes as people read it: 512 B, 12.3 KiB, 4.5 MiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+class NoRoom(Exception):
+    """A write the run cannot go on without failed for want of room or by the device: what it was,
+    the room it needed, and why (the OSError). The run stops (exit EX_IOERR) with what was saved."""
+
+    def __init__(self, what: str, needed: int, error: OSError):
+        reason = error.strerror or os.strerror(error.errno)
+        super().__init__(f"cannot write {what} ({reason}; it needs {size_text(needed)})")
 
 
 def temporary(path: Path) -> Path:
@@ -79,10 +109,8 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
         claim.close()
         in_use = f"{folder} is in use by another run ({owner})"
         raise UserError(f"{in_use}: wait for it to end, or give this run another {flag}") from None
-    except (
-        OSError
-    ) as error:  # a filesystem without flock (NFS mounted nolock, Lustre without flock)
-        claim.close()
+    except OSError as error:
+        claim.close()  # a filesystem without flock (NFS mounted nolock, Lustre without flock)
         raise UserError(
             f"cannot lock {folder} ({error.strerror}): give {flag} on a local filesystem"
         ) from None
@@ -104,7 +132,10 @@ def own(folder: Path, what: str, flag: str, probe: bool = False):
     return claim
 
 
-def unwritable(folder: Path, what: str, error: OSError) -> UserError:
-    """The line refusing a folder that cannot be written: cannot write WHAT FOLDER: why."""
+def unwritable(folder: Path, what: str, error: OSError) -> Exception:
+    """The line refusing a folder that cannot be written: cannot write WHAT FOLDER: why (NoRoom
+    where the room is wanting: its lock file and a page)."""
+    if out_of_room(error):
+        return NoRoom(f"{what} {folder}", 4096, error)
     reason = "it is a file" if folder.is_file() else error.strerror
     return UserError(f"cannot write {what} {folder}: {reason}")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
+import shutil
 import statistics
 import time
 from contextlib import contextmanager
@@ -18,7 +20,7 @@ import numpy as np
 import tyro
 
 from egg.checkpoints import checkpoints_in
-from egg.files import write_atomic
+from egg.files import NoRoom, out_of_room, size_text, write_atomic
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ def logged_before(line: str, generation: int) -> bool:
         return False
 
 
+WANDB_ROOM = 2**20  # bytes free below which W&B's own record of a run may have been cut short
+
+
 class RunRecord:
     """A run's record in `folder` (its name the W&B run's), from `generation` on (a resumed run
     drops what was logged after its checkpoint). Only the writer (process 0) records; the other
@@ -80,15 +85,22 @@ class RunRecord:
         self.lines, self.wandb, self.samples = None, None, []
         if not writer:
             return
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / "config.json", (json.dumps(config, indent=1) + "\n").encode())
-        path = folder / "metrics.jsonl"
-        if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
-            kept = [x for x in path.read_text().splitlines(True) if logged_before(x, generation)]
-            write_atomic(path, "".join(kept).encode())
-        elif path.exists():  # a new run under an old name: keep the old record aside
-            path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
-        self.lines = open(path, "a")
+        path, text = folder / "metrics.jsonl", (json.dumps(config, indent=1) + "\n").encode()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(folder / "config.json", text)
+            if path.exists() and generation:  # resumed: drop what was logged after the checkpoint
+                lines = path.read_text().splitlines(True)
+                text = "".join(x for x in lines if logged_before(x, generation)).encode()
+                write_atomic(path, text)
+            elif path.exists():  # a new run under an old name: keep the old record aside
+                path.rename(path.with_name(f"metrics-{int(path.stat().st_mtime)}.jsonl"))
+            self.lines = open(path, "ab", buffering=0)  # each line written whole, or not at all
+        except OSError as error:
+            if not out_of_room(error):
+                raise
+            raise NoRoom(f"the run's record in {folder}", len(text), error) from None
+        self.path = path
         if flags is not None and flags.track:
             with tolerated(
                 "starting Weights & Biases", print, "the run records to metrics.jsonl alone"
@@ -103,12 +115,23 @@ class RunRecord:
                 self.wandb.summary.update(summary)
 
     def log(self, metrics: dict, generation: int) -> None:
-        """A generation's metrics, to metrics.jsonl and W&B. Should W&B fail, it is dropped (the
-        error raised once, for the caller to say) and the file goes on."""
+        """A generation's metrics, to metrics.jsonl and W&B. A line the file has no room for is
+        NoRoom, what was written of it taken back; should W&B fail, it is dropped (the error raised
+        once, for the caller to say) and the file goes on."""
         if self.lines is None:
             return
-        self.lines.write(json.dumps({"generation": generation, **metrics}) + "\n")
-        self.lines.flush()
+        line = (json.dumps({"generation": generation, **metrics}) + "\n").encode()
+        start = self.lines.seek(0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(line):  # a write may take part of it
+                written += self.lines.write(line[written:])
+        except OSError as error:
+            if not out_of_room(error):
+                raise
+            self.lines.truncate(start)
+            what = f"generation {generation}'s line of {self.path}"
+            raise NoRoom(what, len(line), error) from None
         if self.wandb is not None:
             try:
                 self.log_wandb(metrics, generation)
@@ -132,10 +155,19 @@ class RunRecord:
             self.wandb.log(metrics, step=generation)
 
     def close(self) -> None:
+        """Close the file and W&B's run; say in a warning where W&B could not keep its record."""
         if self.lines is not None:
             self.lines.close()
         if self.wandb is not None:
+            sync = Path(self.wandb.settings.sync_file)
             self.wandb.finish()
+            free = shutil.disk_usage(sync.parent).free if sync.parent.exists() else 0
+            if not sync.is_file() or sync.stat().st_size == 0 or free < WANDB_ROOM:
+                print(
+                    f"warning: Weights & Biases may not have kept its record of this run in "
+                    f"{sync.parent} ({size_text(free)} free there); the run's record is "
+                    f"{self.path}"
+                )
 
 
 def train_metrics(fitness: np.ndarray, moved: np.ndarray, alpha: float, bits, size: int) -> dict:
@@ -232,6 +264,18 @@ class Console:
             shown["val"] = describe_validation(scores, leader)
         self.bar.set_postfix(**shown, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}")
 
+    @contextmanager
+    def ends_with_the_bar(self):
+        """Within: an error closes the progress bar first, so that the line saying why stands
+        alone."""
+        try:
+            yield
+        except BaseException:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            raise
+
     def close(self, tokens: int) -> None:
         """The mean throughput of the timed generations of `tokens` tokens each; the bar and record
         closed."""
@@ -254,8 +298,23 @@ def tolerated(what: str, log, after: str = "training goes on"):
     line, `after` saying what follows, and the run goes on to train and save as it would have."""
     try:
         yield
+    except NoRoom:  # a write the run needs: not an aside
+        raise
     except Exception as error:  # whatever it is: an aside never ends a run unsaved
         log(f"warning: {what} failed ({type(error).__name__}: {error}); {after}")
+
+
+def after_a_failed_write(folders: Folders) -> str:
+    """What a run stopped by a failed write has left and how to go on: its newest checkpoint and
+    the command that continues from it, once there is room again."""
+    saved = checkpoints_in(folders.checkpoints)
+    if not saved:
+        return "nothing was saved: make room, then run the same command again"
+    resume = shlex.quote(str(folders.resume_target()))
+    return (
+        f"the last whole checkpoint is {saved[-1]}: make room, then continue with: python run.py "
+        f"--resume {resume}"
+    )
 
 
 def where_it_went(folders: Folders, epochs: int, stopped: bool) -> str:

@@ -6,7 +6,6 @@ device; and the checkpoint --sample reads. Checkpoints themselves: egg/checkpoin
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -24,16 +23,6 @@ from egg.checkpoints import (
 )
 from egg.files import write_atomic
 from egg.flags import translated
-
-
-def data_fingerprint(data: np.ndarray, samples: int = 64, size: int = 4096) -> str:
-    """Identity of the training bytes, cheap on any size: their length and the SHA-256 of
-    `samples` pieces of `size` bytes at evenly spaced places (the whole of a small corpus)."""
-    starts = np.linspace(0, max(len(data) - size, 0), samples).astype(np.int64)
-    digest = hashlib.sha256(np.int64(len(data)).tobytes())
-    for start in starts:
-        digest.update(np.asarray(data[start : start + size]).tobytes())
-    return f"{len(data):,} bytes #{digest.hexdigest()[:12]}"
 
 
 def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:

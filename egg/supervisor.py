@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -26,7 +27,7 @@ EXIT_PROCESS_LOST = (
 )
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process receives when its parent ends
-GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
+GLOG_ERROR = re.compile(r"[EF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")  # JAX's errors
 JAX_TERMINATES = "Terminating process because the JAX distributed service detected fatal errors"
 
 
@@ -55,27 +56,53 @@ def lost_processes(log: str) -> str:
     return "process 0, the coordinator," if "coordination service" in log else "a process"
 
 
+HOLD_SECONDS = 3.0  # a held block of JAX's errors the child writes nothing after is passed on then
+
+
 def relay_stderr(child) -> list[str]:
-    """Pass the child's stderr through as it comes (a progress bar's updates too), but for JAX's
-    account of a lost process: from its first line on, the lines are held and returned."""
+    """Pass the child's stderr through as it comes, a progress bar's updates too. From an error
+    line of JAX's (the coordinator's, a heartbeat's; glog's E and F lines, even one cut into a
+    progress bar's line) what the child writes is held: passed on, in order, once the child shows
+    it goes on (a progress bar's update) or after HOLD_SECONDS without more (the error was not
+    fatal); returned where the child ends first (JAX's account of a lost process, which the
+    supervisor says in one line instead)."""
     held, pending, ended = [], b"", True  # ended: the last line written has its newline
-    while chunk := os.read(child.stderr.fileno(), 1 << 16):
+
+    def release():
+        sys.stderr.buffer.write("".join(f"{text}\n" for text in held).encode())
+        held.clear()
+
+    while True:
+        if not select.select([child.stderr], [], [], HOLD_SECONDS if held else None)[0]:
+            release()  # nothing after it: not fatal
+            sys.stderr.flush()
+            continue
+        chunk = os.read(child.stderr.fileno(), 1 << 16)
+        if not chunk:
+            break
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             text = line.decode(errors="replace")
-            jax_error = (
-                GLOG_LINE.match(text) and text[0] in "EF" and re.search("coordinat|heartbeat", text)
-            )
+            error = GLOG_ERROR.search(text)
+            if error and not held and error.start() > 0:  # after a progress bar's update
+                sys.stderr.write(text[: error.start()] + "\n")
+                text, ended = text[error.start() :], True
+            jax_error = error is not None and text.startswith(error.group(0))
+            if held and text.startswith("\r") and not jax_error:  # a progress bar: it goes on
+                release()
             if held or jax_error:
                 held.append(text)
-            else:
-                sys.stderr.buffer.write(line + b"\n")
-                ended = True
-        if pending and not held and not GLOG_LINE.match(pending.decode(errors="replace")):
-            sys.stderr.buffer.write(pending)  # a progress bar's update: no newline
+                continue
+            sys.stderr.buffer.write(line + b"\n")
+            ended = True
+        if pending.startswith(b"\r"):  # a progress bar's update, no newline: the child goes on
+            release()
+            sys.stderr.buffer.write(pending)
             pending, ended = b"", False
         sys.stderr.flush()
+    if pending:
+        held.append(pending.decode(errors="replace"))
     if not ended:
         sys.stderr.write("\n")
     return held

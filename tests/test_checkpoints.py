@@ -118,6 +118,37 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted):
     assert [x["generation"] for x in lines] == list(range(1, 151))  # no duplicated generations
 
 
+def logged(runs: Path) -> list[int]:
+    """The generations of a run's metrics.jsonl, its whole lines, in order."""
+    paths = list(runs.glob("*/metrics.jsonl"))
+    text = paths[0].read_text() if paths else ""
+    return [json.loads(line)["generation"] for line in text.splitlines(True) if line.endswith("\n")]
+
+
+def test_a_sigkill_at_any_moment_then_a_resume_records_every_generation_once(tmp_path):
+    """Six kills, each at another moment of a generation (a few milliseconds after another line
+    of metrics.jsonl, a checkpoint every generation), each followed by --resume auto: the record
+    holds every generation once, in order, and the parameters are an uninterrupted run's."""
+    flags = ["--num_epochs", "30", "--save_every", "1", "--keep_checkpoints", "2"]
+    runs = tmp_path / "killed"
+    for kill, delay in enumerate((0.0, 0.004, 0.009, 0.015, 0.022, 0.03)):
+        proc = start(*flags, *(["--resume", "auto"] if kill else []), runs=runs)
+        seen = len(logged(runs))
+        wait_for(
+            lambda seen=seen, proc=proc: len(logged(runs)) > seen + 1 or proc.poll() is not None
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        finish(proc)
+    code, _, err = finish(start(*flags, "--resume", "auto", runs=runs))
+    assert code == 0, err[-2000:]
+    assert logged(runs) == list(range(1, 31))
+    code, _, err = finish(start(*flags, runs=tmp_path / "whole"))
+    assert code == 0, err[-2000:]
+    final = [checkpoint_dir(tmp_path / x) / "gen-00000030" for x in ("killed", "whole")]
+    assert params_hash(final[0]) == params_hash(final[1])
+
+
 def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_path, uninterrupted):
     """Corrupt the latest checkpoint, resume, kill, resume again: the same parameters as a run
     never interrupted, and the corrupt folder kept aside, shadowing no later save."""

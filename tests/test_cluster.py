@@ -269,6 +269,53 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def test_a_refusal_of_one_process_is_every_processs_in_the_same_line(tmp_path):
+    """Process 0 alone owns the run's folders: with them owned by another run, both processes of a
+    run of two end with exit 2 and the same one line, within seconds of each other."""
+    owner = launch(1, ["--run_name", "r", "--num_epochs", "100000", "--save_every", "0"], tmp_path)
+    lock = tmp_path / "r" / ".owner"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    procs = two_processes(["--run_name", "r", "--num_epochs", "2"], tmp_path)
+    ended = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        ended.append((proc.returncode, err.strip().splitlines()[-1:], time.time()))
+    owner.kill()
+    owner.communicate()
+    refusal = f"error: {tmp_path / 'r'} is in use by another run ("
+    assert [code for code, _, _ in ended] == [2, 2], ended
+    assert ended[0][1] == ended[1][1] and ended[0][1][0].startswith(refusal), ended
+    assert abs(ended[0][2] - ended[1][2]) < 10
+
+
+def test_the_supervisor_passes_a_childs_stderr_through_as_it_comes_but_a_fatal_jax_account():
+    """A JAX error about the coordinator that is not fatal is passed on in its place once the child
+    shows it goes on (a progress bar's update); JAX's account of a lost process, cut into a
+    progress bar's line and running to the child's end, is held for the supervisor's one line."""
+    jax_error = "E1126 10:00:00.000000   12 coordination_service_agent.cc:42] coordinator: slow"
+    fatal = [
+        jax_error,
+        "The tasks have crashed.",
+        "F1126 10:00:01.000000   12 client.h:80] " + supervisor.JAX_TERMINATES,
+        "*** Check failure stack trace: ***",
+        "    @     0x7f37f9040634  absl::LogMessage::SendToLog()",
+    ]
+    said = ["first line\n", jax_error + "\n", "\r 50%|bar|\n", "second line\n", "\r 60%|bar|"]
+    said += ["\n".join(fatal) + "\n"]
+    script = f"import sys; sys.stderr.write({''.join(said)!r})"
+    relay = (
+        "import subprocess, sys; from egg import supervisor; "
+        f"child = subprocess.Popen([sys.executable, '-c', {script!r}], stderr=subprocess.PIPE); "
+        "held = supervisor.relay_stderr(child); child.wait(); print(held)"
+    )
+    done = subprocess.run([sys.executable, "-c", relay], cwd=ROOT, capture_output=True)
+    shown = ["first line", jax_error, "\r 50%|bar|", "second line", "\r 60%|bar|"]
+    assert done.stderr.decode().split("\n") == [*shown, ""], done.stderr
+    assert done.stdout.decode().strip() == repr(fatal)
+
+
 def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_another_layout(tmp_path):
     """2 processes x 2 devices, --heartbeat_timeout 5: process 1's launcher (its supervisor) alone
     is SIGKILLed once a checkpoint of generation 8 exists, as a scheduler or a user kills the PID it
