@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import run
-from egg import UserError, cluster, hlo
+from egg import UserError, cluster, hlo, kernel
 from egg.flags import flag, flag_given, replace
 
 
@@ -355,26 +355,44 @@ def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
     )
 
 
-def pallas_costs(jaxpr) -> dict:
-    """{egg/hlo.py's signature: (bytes, MACs)} of every Pallas kernel in a traced program, as each
-    declares its cost (Pallas's CostEstimate: 2 operations a MAC)."""
-    found = {}
+def pallas_calls(jaxpr):
+    """Every Pallas kernel call (its jaxpr equation) in a traced program, inner jaxprs included."""
 
-    def walk(jaxpr) -> None:
+    def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                cost = eqn.params["cost_estimate"]
-                shapes = [v.aval.shape for v in eqn.invars], [v.aval.shape for v in eqn.outvars]
-                found[hlo.signature(*shapes)] = (cost.bytes_accessed, cost.flops // 2)
+                yield eqn
                 continue
             for value in eqn.params.values():
                 for sub in value if isinstance(value, tuple | list) else (value,):
                     inner = getattr(sub, "jaxpr", sub)  # a closed jaxpr's, or a jaxpr itself
                     if hasattr(inner, "eqns"):
-                        walk(inner)
+                        yield from walk(inner)
 
-    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+    yield from walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+
+
+def call_signature(eqn) -> tuple:
+    """egg/hlo.py's signature of a Pallas call: its operands' and results' dims."""
+    return hlo.signature([v.aval.shape for v in eqn.invars], [v.aval.shape for v in eqn.outvars])
+
+
+def pallas_costs(jaxpr) -> dict:
+    """{egg/hlo.py's signature: (bytes, MACs)} of every Pallas kernel in a traced program, as each
+    declares its cost (Pallas's CostEstimate: 2 operations a MAC)."""
+    found = {}
+    for eqn in pallas_calls(jaxpr):
+        cost = eqn.params["cost_estimate"]
+        found[call_signature(eqn)] = (cost.bytes_accessed, cost.flops // 2)
     return found
+
+
+def pallas_grids(jaxpr) -> dict:
+    """{the output's shape: the grid} of every Pallas kernel in a traced program: the programs
+    (CTAs) each call launches, one per grid point."""
+    return {
+        eqn.outvars[0].aval.shape: eqn.params["grid_mapping"].grid for eqn in pallas_calls(jaxpr)
+    }
 
 
 @contextmanager
@@ -405,7 +423,7 @@ def compile_target(args: Args, part: str):
         traced = make_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
         compiled = traced.lower().compile()
     kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
-    return compiled, kernels, cfg, time.time() - tick
+    return compiled, kernels, cfg, time.time() - tick, pallas_grids(traced.jaxpr)
 
 
 def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
@@ -452,6 +470,11 @@ def print_target_report(
 ) -> None:
     t, i = figures["training"], figures["inference"]
     least = roofline_bytes(cfg)
+    grids = "; ".join(
+        f"out {list(out)}: {list(grid)} = {math.prod(grid):,} ({math.prod(grid) / kernel.SMS:.1f})"
+        for out, grid in figures["grids"].items()
+    )
+    grids = grids or "none (XLA's products)"
     best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
     largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
     kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
@@ -488,6 +511,7 @@ def print_target_report(
         f"{t['tokens_per_s'] / i['tokens_per_s']:.0%}",
         f"cost model: each kernel max(bytes / {roofline.hbm / 1e12:.2f} TB/s, MACs / "
         f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
+        f"product kernels' grids (programs a call; per SM of {kernel.SMS}): {grids}",
     ]
     print("\n".join(lines))
 
@@ -497,7 +521,7 @@ def target_report(args: Args) -> dict:
     compiled programs show and what the cost model says they take. Returns the figures."""
     run.check_args(args)
     roofline = ROOFLINES[args.target]
-    train, train_kernels, cfg, seconds = compile_target(args, "train")
+    train, train_kernels, cfg, seconds, grids = compile_target(args, "train")
     kernels = {"training": train_kernels, "inference": compile_target(args, "inference")[1]}
     tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
     figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
@@ -506,6 +530,7 @@ def target_report(args: Args) -> dict:
         figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
     figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
     figures["collectives"] = hlo.collective_traffic(train.as_text())
+    figures["grids"] = grids
     print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
     return figures | {"cfg": cfg, "kernels": kernels}
 

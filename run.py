@@ -248,6 +248,9 @@ GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed 
 FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
 U_STD_BITS = 4  # momentum: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
+# every int8 product sums at least this many terms, zeros padding a shorter one (deepened): a GPU's
+# int8 dot is 32 deep (Hopper's MMA), and XLA's 16-deep ones were wrong on an H200 (docs/gpu.org)
+DOT_DEPTH = 32
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
 # --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
 # segments), one below (docs/results.org, "Population")
@@ -342,6 +345,17 @@ def log2_likelihood(logits, target, tables: Tables):
     target = jnp.broadcast_to(jnp.asarray(target, i32), logits.shape[:-1])
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)
     return ((picked - top)[..., 0] << (LL_FRAC - LOGIT_FRAC)) - log2_s
+
+
+def deepened(x, axis: int, depth: int):
+    """x with its `axis` padded with zeros to at least `depth` entries: a product contracting over
+    it sums the same (see DOT_DEPTH)."""
+    missing = depth - x.shape[axis]
+    if missing <= 0:
+        return x
+    padding = [(0, 0)] * x.ndim
+    padding[axis] = (0, missing)
+    return jnp.pad(x, padding)
 
 
 def shifted(x: int, k: int) -> int:
@@ -499,18 +513,21 @@ def matmul(x, w, nz, sides: Sides):
     x W^T accumulates in int32 at scale s * 2**WEIGHT_FRAC; the noise term in the same units is
     noise_term's; rescale keeps the output's scale ~ s.
     """
+    n = x.shape[-1]
+    deep_x, deep_w = deepened(x, -1, DOT_DEPTH), deepened(w, -1, DOT_DEPTH)
     # one plain 2-D product per replica: as one batched dot XLA:CPU copies w transposed at every
     # layer and byte (9% of a generation at 256D-6L)
     dot = partial(jnp.einsum, "rdsn,mn->rdsm", preferred_element_type=i32)
-    acc = jnp.stack([dot(x[k], w[k]) for k in range(len(w))])
+    acc = jnp.stack([dot(deep_x[k], deep_w[k]) for k in range(len(w))])
     shift = sides.shift[..., None]
     if isinstance(nz, tuple):
         a, b = (f[:, None, :, None] for f in nz)  # (K, 1, D, 1, ..., r)
         acc = acc + noise_term(chunked_dot(x, b), a, sides.sign[..., None], shift)
     elif nz is not None:  # --rank 0: a full (m, n) noise matrix E, one more matmul per member
-        full = jnp.einsum("krdsn,kdmn->krdsm", x, nz, preferred_element_type=i32)
+        deep_nz = deepened(nz, -1, DOT_DEPTH)
+        full = jnp.einsum("krdsn,kdmn->krdsm", deep_x, deep_nz, preferred_element_type=i32)
         acc = acc + ((sides.sign[..., None] * full) >> shift)
-    return rescale(acc, x.shape[-1])
+    return rescale(acc, n)
 
 
 def embed(emb, tok_RxDxS, nz, sides: Sides):
@@ -1117,6 +1134,8 @@ def z_statistic(noise, weights, cfg: Config):
         a, b = map(prepare, noise)
         product = a.astype(i32) * weights.reshape((-1,) + (1,) * (a.ndim - 1))
         weighted = round_shift(product, weighted_shift(cfg)).astype(jnp.int8)
+        pairs = -(-DOT_DEPTH // b.shape[-1])  # the product sums over pairs and rank: DOT_DEPTH
+        weighted, b = deepened(weighted, 0, pairs), deepened(b, 0, pairs)
         return jnp.einsum("k...mr,k...nr->...mn", weighted, b, preferred_element_type=i32)
     return jnp.einsum("k...,k->...", prepare(noise), weights, preferred_element_type=i32)
 

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 
 i32 = jnp.int32
 TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
+SMS = 132  # an H100 SXM's streaming multiprocessors
+PROGRAMS_PER_SM = 2  # the least programs a product's grid gives each SM, where its tiles allow
 # at least 32 inputs deep: 16 deep, the kernel as JAX 0.11.2's Triton compiled it for an H200
 # summed every product about twice (docs/gpu.org); the interpreter, which the tests run, cannot
 # show it
@@ -53,6 +55,42 @@ def takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     ones."""
     shaped = all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) and n >= TILE_DEPTH_MIN
     return shaped and distinct % 16 == 0 and pairs % distinct == 0
+
+
+def tiles(replicas: int, groups: int, pairs: int, distinct: int, m: int, n: int, sides: int):
+    """(rows, columns, depth) of a product's tiles: of the tiles of powers of two from 16 (rows of
+    pairs, at most TILE_ROWS, within the distinct ones; outputs, at most TILE_COLUMNS) whose grid
+    gives each SM of an H100 PROGRAMS_PER_SM programs at least, the largest (each re-reads the
+    fewest weights and inputs); where none does (few members, few outputs), the smallest; and the
+    longest chunk of the inputs, at most TILE_DEPTH. Any tiles compute the same integers."""
+    options = [
+        (rows, columns)
+        for rows in (16, 32, 64)
+        if rows <= TILE_ROWS and distinct % rows == 0
+        for columns in (16, 32, 64, 128)
+        if columns <= TILE_COLUMNS and m % columns == 0
+    ]
+    enough = [
+        t
+        for t in options
+        if programs(replicas, groups, pairs, m, sides, *t) >= PROGRAMS_PER_SM * SMS
+    ]
+    if enough:
+        rows, columns = max(enough, key=lambda t: (t[0] * t[1], t[1]))
+    else:
+        rows, columns = min(options, key=lambda t: (t[0] * t[1], t[1]))
+    depth = max(t for t in (16, 32, 64) if t <= TILE_DEPTH and n % t == 0)
+    return rows, columns, depth
+
+
+def grid(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
+    """A product's grid: (replica, matrix, tile of pairs, tile of outputs, side)."""
+    return replicas, groups, pairs // rows, m // columns, sides
+
+
+def programs(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
+    """The programs (CTAs) a product's grid launches."""
+    return math.prod(grid(replicas, groups, pairs, m, sides, rows, columns))
 
 
 def int8_product(
@@ -192,10 +230,7 @@ def product(
     sides = x.shape[3] // n
     noisy = a is not None
     distinct = a.shape[3] if noisy else pairs
-    rows, columns, depth = (
-        max(t for t in (16, 32, 64) if t <= cap and d % t == 0)
-        for cap, d in ((TILE_ROWS, distinct), (TILE_COLUMNS, m), (TILE_DEPTH, n))
-    )
+    rows, columns, depth = tiles(replicas, groups, pairs, distinct, m, n, sides)
     column_tiles = m // columns
     kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
     program = partial(
@@ -216,7 +251,7 @@ def product(
     return pl.pallas_call(
         program,
         out_shape=out,
-        grid=(replicas, groups, pairs // rows, column_tiles, sides),
+        grid=grid(replicas, groups, pairs, m, sides, rows, columns),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((1, 1, rows, columns), place),
         interpret=interpret,

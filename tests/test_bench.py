@@ -84,6 +84,22 @@ def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporari
     assert temporaries <= 4 * noise + 4 * activations
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_no_int8_product_of_the_h100_program_is_shallower_than_32(rank):
+    """Hopper's int8 dot is 32 deep, and 16-deep ones were wrong on an H200: a 16D model's products
+    (the shared GEMM, --rank 0's noise matrices) and Z of 8 pairs are padded with zeros to 32."""
+    flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1", "--rank")
+    compiled, _, _ = compile_step(tiny_args(*flags, rank))
+    found = []
+    for body in hlo.computations(compiled.as_text())[0].values():
+        shapes = {x.name: x.shapes for x in body}
+        for x in (x for x in body if x.opcode == "dot"):
+            lhs = shapes[x.operands[0]][0][1]
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", x.attributes).group(1)
+            found.append(np.prod([lhs[int(d)] for d in contracted.split(",") if d]))
+    assert found and min(found) >= run.DOT_DEPTH == 32, found
+
+
 def test_validation_and_inference_compile_for_the_h100_integer_only():
     args = tiny_args(*SMALL)
     compiled, cfg, mesh = compile_step(args, "inference")

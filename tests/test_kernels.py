@@ -176,6 +176,26 @@ def test_validation_as_a_gpu_runs_it_equals_the_cpus(monkeypatch):
     np.testing.assert_array_equal(*got)
 
 
+@pytest.mark.parametrize("n_embd", [64, 256])
+def test_every_product_gives_each_sm_two_programs_wherever_tiles_of_16_can(n_embd):
+    """At every population from 256 to 32768, each of a model's products (Wf and Wh together, Uf,
+    Uh, W1, W2 and the head, with noise: two sides) launches at least two programs for each of an
+    H100's SMs, with the largest tiles that do; where even tiles of 16 pairs by 16 outputs give
+    fewer (few members, few outputs), it takes those, the most programs it can."""
+    products = [(2, n_embd, n_embd), (1, n_embd, n_embd), (1, 4 * n_embd, n_embd)]
+    products += [(1, n_embd, 4 * n_embd), (1, 256, n_embd)]
+    for population in [256 * 2**k for k in range(8)]:
+        pairs = population // 2
+        for groups, m, n in products:
+            rows, columns, depth = kernel.tiles(1, groups, pairs, pairs, m, n, 2)
+            made = kernel.programs(1, groups, pairs, m, 2, rows, columns)
+            finest = kernel.programs(1, groups, pairs, m, 2, 16, 16)
+            assert made >= 2 * kernel.SMS or (rows, columns) == (16, 16), (population, m, n)
+            if rows * columns > 16 * 16:  # no larger tiles than the rule needs
+                assert finest >= made >= 2 * kernel.SMS
+            assert depth == 64 and pairs % rows == 0 and m % columns == 0
+
+
 def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
     assert kernel.takes(pairs=64, distinct=32, m=64, n=256)
     assert not kernel.takes(pairs=64, distinct=32, m=48, n=256)  # 48: not a power of two
