@@ -18,11 +18,12 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -306,9 +307,20 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
 # layers' for every byte and layer.
 
 TARGET_FILES = {"h100": "targets/h100_sxm.txtpb"}  # GpuTargetConfigProto text, beside run.py
-# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC); 3 us
-# a kernel is the order of back-to-back small kernels on any recent GPU
-ROOFLINES = {"h100": hlo.Roofline("H100 SXM", 3.35e12, 1979e12 / 2, 3e-6)}
+# the H100 SXM's datasheet: 3.35 TB/s of HBM3, 1,979 dense int8 tera-operations/s (2 per MAC). The
+# launch costs are assumptions: 3 us a launch (a kernel's on its own, or a CUDA graph's), the order
+# of back-to-back small kernels on any recent GPU; 1 us a kernel recorded in a graph, the order of
+# the gap between a graph's dependent kernels (scripts/gpu_check.py measures what graphs save)
+ROOFLINES = {"h100": hlo.Roofline("H100 SXM", 3.35e12, 1979e12 / 2, 3e-6, 1e-6)}
+# XLA's command buffers (CUDA graphs): as it records them by default (each loop's body a graph of
+# its own, launched every trip), and with the loops recorded too (WHILE: the graph's conditional
+# nodes; XLA's default commands, FUSION, CUBLAS, CUSTOM_CALL and CUDNN, with it)
+COMMAND_BUFFERS = {
+    "XLA's default": {},
+    "loops recorded (WHILE)": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE"
+    },
+}
 # the scans around a kernel that runs every byte, every byte and layer
 BYTES_DEPTH, LAYERS_DEPTH = 2, 3
 LOOPS = ("once", "per segment", "per byte", "per byte and layer")
@@ -387,14 +399,6 @@ def pallas_costs(jaxpr) -> dict:
     return found
 
 
-def pallas_grids(jaxpr) -> dict:
-    """{the output's shape: the grid} of every Pallas kernel in a traced program: the programs
-    (CTAs) each call launches, one per grid point."""
-    return {
-        eqn.outvars[0].aval.shape: eqn.params["grid_mapping"].grid for eqn in pallas_calls(jaxpr)
-    }
-
-
 @contextmanager
 def without_compilation_cache():
     """JAX's persistent cache cannot load a program compiled without its device back: keep such
@@ -413,17 +417,39 @@ def without_compilation_cache():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
-def compile_target(args: Args, part: str):
-    """(compiled program, its kernels, config, compile seconds) of a step for --target."""
+class Target(NamedTuple):
+    """A step compiled for --target, and what its program shows."""
+
+    compiled: Any
+    kernels: list[hlo.Kernel]
+    cfg: run.Config
+    seconds: float  # compile time
+    launched: hlo.Launches | None  # None where XLA dumped no thunk sequence
+
+
+def dumped_launches(dump: Path, text: str) -> hlo.Launches | None:
+    """The Launches of the program XLA compiled with --xla_dump_to `dump` (its compiled HLO
+    `text`): its thunk sequence after the thunk passes, or before them where no pass changed it."""
+    sequences = sorted(dump.glob("*.thunk_sequence_after_thunk_passes.txt"))
+    sequences = sequences or sorted(dump.glob("*.thunk_sequence.txt"))
+    metadata = sorted(dump.glob("*.thunk_metadata.txt"))
+    if not (sequences and metadata):
+        return None
+    return hlo.launches(sequences[-1].read_text(), metadata[-1].read_text(), text)
+
+
+def compile_target(args: Args, part: str, options: dict | None = None) -> Target:
+    """A step compiled for --target with these XLA options (COMMAND_BUFFERS' entries)."""
     mesh = target_mesh(args.target, args.target_devices)
     cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
     run.check_bounds(cfg)
     tick = time.time()
-    with without_compilation_cache():
+    with without_compilation_cache(), tempfile.TemporaryDirectory() as dump:
         traced = make_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
-        compiled = traced.lower().compile()
+        compiled = traced.lower().compile({"xla_dump_to": dump, **(options or {})})
+        launched = dumped_launches(Path(dump), compiled.as_text())
     kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
-    return compiled, kernels, cfg, time.time() - tick, pallas_grids(traced.jaxpr)
+    return Target(compiled, kernels, cfg, time.time() - tick, launched)
 
 
 def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
@@ -446,15 +472,21 @@ def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
     return weights + activations + factors / 2 + vectors, weights + activations
 
 
-def describe_program(kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call: int) -> dict:
-    """What a compiled generation's kernels add up to (the figures target_report prints)."""
+def describe_program(
+    kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call: int, launched=None
+) -> dict:
+    """What a compiled generation's kernels add up to (the figures target_report prints), with
+    their launches where known."""
     members = cfg.population // cfg.devices * cfg.replicas
     every_byte = [k for k in kernels if k.depth >= BYTES_DEPTH]
     kinds = {}
     for k in kernels:
         kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
+    captured = launched.captured if launched else frozenset()
     return {
         "kernels": sum(k.runs for k in kernels),
+        "alone": sum(k.runs for k in kernels if k.name not in captured),
+        "graphs": launched.graphs if launched else None,
         "kinds": kinds,
         "per_token": sum(k.runs for k in every_byte) / cfg.tokens,
         "per_layer": sum(k.runs for k in kernels if k.depth >= LAYERS_DEPTH)
@@ -465,25 +497,48 @@ def describe_program(kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call
     }
 
 
+def launches_text(figures: dict) -> str:
+    """How a compiled generation launches its kernels, in words."""
+    if figures["graphs"] is None:
+        return "unknown (XLA dumped no thunk sequence)"
+    plural = "s" if figures["graphs"] != 1 else ""
+    return (
+        f"{figures['graphs']:,} command buffer{plural} (CUDA graphs) launched, "
+        f"{figures['kernels'] - figures['alone']:,} kernel launches recorded in them, "
+        f"{figures['alone']:,} on their own"
+    )
+
+
+def gemms_text(kernels: list[hlo.Kernel], launched: hlo.Launches | None) -> str:
+    """Every distinct product (XLA's GEMMs, the product kernel's calls): its shapes, the loop it
+    runs in and, where the launches are known, the blocks (CTAs) of its grid and their number for
+    each of the GPU's SMs."""
+    grids = launched.grids if launched else {}
+    found = {}
+    for k in kernels:
+        if k.kind in ("gemm", "pallas"):
+            ctas = math.prod(grids[k.name]) if k.name in grids else None
+            found[(k.shapes, LOOPS[min(k.depth, 3)])] = ctas
+    return "; ".join(
+        f"{shapes} ({loop}"
+        + ("" if ctas is None else f"; {ctas:,} CTAs, {ctas / kernel.SMS:.1f} an SM")
+        + ")"
+        for (shapes, loop), ctas in sorted(found.items())
+    )
+
+
 def print_target_report(
     args: Args, cfg: run.Config, roofline, seconds: float, kernels, figures
 ) -> None:
     t, i = figures["training"], figures["inference"]
     least = roofline_bytes(cfg)
-    grids = "; ".join(
-        f"out {list(out)}: {list(grid)} = {math.prod(grid):,} ({math.prod(grid) / kernel.SMS:.1f})"
-        for out, grid in figures["grids"].items()
-    )
-    grids = grids or "none (XLA's products)"
     best = [roofline.hbm / b * cfg.devices for b in least]  # tokens/s where bytes alone bound
     largest = sorted(kernels, key=lambda k: -k.bytes)[:3]
     kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(t["kinds"].items()))
-    gemms = sorted(
-        {(k.shapes, LOOPS[min(k.depth, 3)]) for k in kernels if k.kind in ("gemm", "pallas")}
-    )
     in_layers = (
         f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
     )
+    graphs = "; ".join(f"{name}: {text}" for name, text in figures["command buffers"].items())
     lines = [
         f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's "
         f"GPU pipeline, untuned GEMM tiles); model {cfg.n_embd}D-{cfg.n_layer}L; population "
@@ -494,8 +549,9 @@ def print_target_report(
         + "; ".join(f"{k.name} {k.bytes / 2**20:,.1f} MiB" for k in largest),
         f"kernels per generation: {kinds} ({t['kernels']:,} in all)",
         f"kernels per token: {t['per_token']:.0f} {in_layers}",
-        "GEMMs (XLA's and the product kernel's): "
-        + "; ".join(f"{shapes} ({loop})" for shapes, loop in gemms),
+        f"launches per generation: {graphs}",
+        f"products (XLA's GEMMs and the product kernel's; an H100 has {kernel.SMS} SMs): "
+        + gemms_text(kernels, figures["launched"]),
         "collectives per generation: "
         + (
             ", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"
@@ -510,8 +566,10 @@ def print_target_report(
         f"modeled; roofline {best[1]:,.0f}); training / inference: "
         f"{t['tokens_per_s'] / i['tokens_per_s']:.0%}",
         f"cost model: each kernel max(bytes / {roofline.hbm / 1e12:.2f} TB/s, MACs / "
-        f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us",
-        f"product kernels' grids (programs a call; per SM of {kernel.SMS}): {grids}",
+        f"{roofline.int8_macs / 1e12:.0f} T MAC/s) + {roofline.launch * 1e6:.0f} us launched on "
+        f"its own, {roofline.in_graph * 1e6:.0f} us recorded in a command buffer, and "
+        f"{roofline.launch * 1e6:.0f} us a command buffer's launch (launch costs assumed; XLA's "
+        "default command buffers)",
     ]
     print("\n".join(lines))
 
@@ -521,18 +579,29 @@ def target_report(args: Args) -> dict:
     compiled programs show and what the cost model says they take. Returns the figures."""
     run.check_args(args)
     roofline = ROOFLINES[args.target]
-    train, train_kernels, cfg, seconds, grids = compile_target(args, "train")
-    kernels = {"training": train_kernels, "inference": compile_target(args, "inference")[1]}
+    train = compile_target(args, "train")
+    inference = compile_target(args, "inference")
+    cfg = train.cfg
     tokens = cfg.population * cfg.tokens * cfg.replicas  # per call, over every device
-    figures = {part: describe_program(found, cfg, tokens) for part, found in kernels.items()}
-    for part, found in kernels.items():
-        figures[part]["seconds"] = hlo.modeled_seconds(found, roofline)
+    figures = {}
+    for part, target in (("training", train), ("inference", inference)):
+        figures[part] = describe_program(target.kernels, cfg, tokens, target.launched)
+        figures[part]["seconds"] = hlo.modeled_seconds(target.kernels, roofline, target.launched)
         figures[part]["tokens_per_s"] = tokens / figures[part]["seconds"]
-    figures["temporaries"] = getattr(train.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-    figures["collectives"] = hlo.collective_traffic(train.as_text())
-    figures["grids"] = grids
-    print_target_report(args, cfg, roofline, seconds, kernels["training"], figures)
-    return figures | {"cfg": cfg, "kernels": kernels}
+    figures["command buffers"] = {}
+    for name, options in COMMAND_BUFFERS.items():
+        target = compile_target(args, "train", options) if options else train
+        described = describe_program(target.kernels, cfg, tokens, target.launched)
+        figures["command buffers"][name] = launches_text(described)
+    figures["temporaries"] = getattr(train.compiled.memory_analysis(), "temp_size_in_bytes", 0)
+    figures["temporaries"] /= 2**20
+    figures["collectives"] = hlo.collective_traffic(train.compiled.as_text())
+    figures["launched"] = train.launched
+    print_target_report(args, cfg, roofline, train.seconds, train.kernels, figures)
+    return figures | {
+        "cfg": cfg,
+        "kernels": {"training": train.kernels, "inference": inference.kernels},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

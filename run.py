@@ -630,47 +630,42 @@ def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
     )
 
 
-def products(
-    model: Model, x, layer, names: tuple[str, ...], gain: str = "", residual=None, x_layered=False
-):
+def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", residual=None):
     """x times each named matrix (with its noise) as matmul computes it, the one place that chooses
-    who computes it: x_KxRxDxSxn, or the states (L, K, R, D, S, n) read at `layer` when x_layered;
-    first layer_norm(x, gain) with a gain name, then clipped_add(residual, product) with a residual.
+    who computes it: x_KxRxDxSxn; first layer_norm(x, gain) with a gain name, then
+    clipped_add(residual, product) with a residual.
     `layer` () int32 for block parameters, None for the head. Returns one (K, R, D, S, m) per name:
     by egg/kernel.py where the Model has its operands and the kernel takes the shapes, else by
     XLA."""
-    picked = x[layer] if x_layered else x
-    replicas, repeats, distinct, sides, n = picked.shape
+    replicas, repeats, distinct, sides, n = x.shape
     pairs, m = repeats * distinct, model.params[names[0]].shape[-2]
     found = model.kernel.get(names) if model.kernel else None
     if found is None or not kernel.takes(pairs, distinct, m, n):
         at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
-        v = layer_norm(picked, at(model.params[gain])) if gain else picked
+        v = layer_norm(x, at(model.params[gain])) if gain else x
         noise = (lambda k: None) if model.noise is None else (lambda k: at(model.noise[k]))
         outs = [matmul(v, at(model.params[k]), noise(k), model.sides) for k in names]
         return [o if residual is None else clipped_add(residual, o) for o in outs]
 
-    def as_rows(v):  # (..., K, R, D, S, n) -> (..., K, Q, S n): a view
-        return v.reshape(v.shape[:-4] + (pairs, -1))
+    def as_rows(v):  # (K, R, D, S, n) -> (K, Q, S n): a view
+        return v.reshape((replicas, pairs, -1))
 
-    rows = as_rows(x) if x_layered else as_rows(x)[None]
     at = jnp.asarray(0 if layer is None else layer, i32)
     gains = model.kernel[gain] if gain else None
     added = None if residual is None else as_rows(residual)
     shifts = model.sides.shift.reshape(-1)
-    options = dict(x_layered=x_layered, interpret=model.interpret, arithmetic=ARITHMETIC)
-    out = kernel.product(rows, *found, shifts, at, gains, added, **options)
-    return [o.reshape(picked.shape[:-1] + (m,)) for o in out]
+    options = dict(interpret=model.interpret, arithmetic=ARITHMETIC)
+    out = kernel.product(as_rows(x), *found, shifts, at, gains, added, **options)
+    return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
 
-def block(x, states, layer, model: Model):
+def block(x, h, layer, model: Model):
     """One minGRU block of every member: the new residual stream, this layer's new state and the
     block's int8 activations by name (diagnostics read them; the forward pass drops them). x:
-    the residual stream x_KxRxDxSxE, int8 at WEIGHT_FRAC; states: every layer's hidden state
-    (L, K, R, D, S, E), using the full range (real = q / 127); layer () int32."""
-    h = states[layer]
+    the residual stream x_KxRxDxSxE, int8 at WEIGHT_FRAC; h: this layer's hidden state
+    (K, R, D, S, E), using the full range (real = q / 127); layer () int32."""
     wf, wh = products(model, x, layer, ("Wf", "Wh"), gain="ln1")
-    (uf,) = products(model, states, layer, ("Uf",), x_layered=True)
+    (uf,) = products(model, h, layer, ("Uf",))
     # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
     g = clipped_add(wf, uf, model.params["bf"][layer]).astype(i32) + INT8_MAX
     gated = ((g * h.astype(i32)) >> GATE_BITS).astype(jnp.int8)
@@ -686,28 +681,39 @@ def block(x, states, layer, model: Model):
     return x, h, seen
 
 
+def carried(states_L, model: Model):
+    """The layers' states (L, K, R, D, S, E) as token_logits carries them from byte to byte: where
+    the layers are unrolled (the product kernel's, as on a GPU) a tuple of each layer's, each its
+    own buffer that the kernels computing it write whole (written into a stack, each state would be
+    a copy, one that cuts a GPU's command buffer: each byte three graphs, not one); else the stack
+    the layers' scan reads."""
+    return tuple(states_L) if model.kernel is not None else states_L
+
+
 def token_logits(model: Model, states, tok_RxDxS):
     """One byte through every member: the logits (K, R, D, S, 256) int8 at LOGIT_FRAC, the new
-    states (L, K, R, D, S, E), and the int8 activations by name (each layer's stacked on a leading
-    L axis), which the forward pass drops. The byte is the same for every replica. The states
+    states (as carried), and the int8 activations by name (each layer's stacked on a leading L
+    axis), which the forward pass drops. The byte is the same for every replica. The states
     restart from zero at byte 0, the separator before every document."""
-    states = jnp.where((tok_RxDxS == 0)[..., None], jnp.zeros_like(states), states)
+    restart = (tok_RxDxS == 0)[..., None]
+    states = jax.tree.map(lambda h: jnp.where(restart, jnp.zeros_like(h), h), states)
     emb_noise = None if model.noise is None else model.noise["emb"]
     embedding = embed(model.params["emb"], tok_RxDxS, emb_noise, model.sides)
 
-    def layer(carry, at):  # layer `at` reads its state, then writes the new one in its place
-        x, states = carry
-        x, h, seen = block(x, states, at, model)
-        return (x, states.at[at].set(h)), seen
+    def layer(x, h_at):  # a layer reads its state and returns the new one
+        x, h, seen = block(x, *h_at, model)
+        return x, (h, seen)
 
-    if model.kernel is not None:  # unrolled, as on a GPU (a loop costs it three kernels a layer)
-        carry, seen = (embedding, states), []
-        for at in range(states.shape[0]):
-            carry, found = layer(carry, at)
-            seen.append(found)
-        (x, states), seen = carry, jax.tree.map(lambda *v: jnp.stack(v), *seen)
+    if isinstance(states, tuple):  # unrolled, as on a GPU (a loop costs it three kernels a layer)
+        x, found = embedding, []
+        for at, h in enumerate(states):
+            x, out = layer(x, (h, at))
+            found.append(out)
+        states = tuple(h for h, _ in found)
+        seen = jax.tree.map(lambda *v: jnp.stack(v), *[seen for _, seen in found])
     else:
-        (x, states), seen = jax.lax.scan(layer, (embedding, states), jnp.arange(states.shape[0]))
+        layers = jnp.arange(states.shape[0])
+        x, (states, seen) = jax.lax.scan(layer, embedding, (states, layers))
     (logits,) = products(model, x, None, ("head",), gain="ln_out")
     return logits, states, {"embedding": embedding, **seen, "logits": logits}
 
@@ -743,8 +749,9 @@ def forward(params, noise, states_KxMxLxE, inputs_MxT, targets_MxT, sigma_shifts
         (cfg.n_layer, replicas) + layout + (cfg.n_embd,)
     )
     io_TxRxDxS = (inputs_MxT.T.reshape((-1,) + layout), targets_MxT.T.reshape((-1,) + layout))
-    states, ll_TxKxRxDxS = jax.lax.scan(read, states, io_TxRxDxS)
-    states_KxMxLxE = jnp.moveaxis(states.reshape((cfg.n_layer, replicas, count, cfg.n_embd)), 0, 2)
+    states, ll_TxKxRxDxS = jax.lax.scan(read, carried(states, model), io_TxRxDxS)
+    states = jnp.stack(states).reshape((cfg.n_layer, replicas, count, cfg.n_embd))
+    states_KxMxLxE = jnp.moveaxis(states, 0, 2)
     return jnp.sum(ll_TxKxRxDxS, axis=0).reshape(replicas, count), states_KxMxLxE
 
 
@@ -1672,16 +1679,16 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
 
 def one_model(params, cfg: Config, members: int) -> tuple[Model, jax.Array]:
     """One model's Model, noise-free, for `members` rows read side by side, and their zero states
-    (L, 1, 1, members, 1, E)."""
+    (L, 1, 1, members, 1, E), as carried."""
     params = jax.tree.map(lambda p: jnp.asarray(p)[None], params)  # a run of one replica
     model = model_inputs(params, None, make_sides(jnp.zeros((1,), i32), 1), cfg)
-    return model, jnp.zeros((cfg.n_layer, 1, 1, members, 1, cfg.n_embd), jnp.int8)
+    return model, carried(jnp.zeros((cfg.n_layer, 1, 1, members, 1, cfg.n_embd), jnp.int8), model)
 
 
 @cache
 def make_reader(cfg: Config):
-    """read(params, states (L, 1, 1, 1, 1, E), byte (1, 1, 1) uint8) -> (states, the next byte's
-    logits (256,) int8 at LOGIT_FRAC), jitted."""
+    """read(params, states (L, 1, 1, 1, 1, E) as carried, byte (1, 1, 1) uint8) -> (states, the
+    next byte's logits (256,) int8 at LOGIT_FRAC), jitted."""
 
     def read(params, states, byte):
         model = one_model(params, cfg, 1)[0]

@@ -160,14 +160,16 @@ class Kernel(NamedTuple):
 
 
 class Roofline(NamedTuple):
-    """The cost model's device. A kernel costs max(its bytes / hbm, its MACs / int8_macs) + launch:
-    HBM and tensor cores overlap, caches and on-chip reuse are ignored, and every kernel pays one
-    launch (XLA's command buffers can hide some of it on a real GPU)."""
+    """The cost model's device. A kernel costs max(its bytes / hbm, its MACs / int8_macs) plus what
+    launching it costs: `launch` launched on its own, `in_graph` recorded in a command buffer (a
+    CUDA graph), whose every launch costs `launch`. HBM and tensor cores overlap; caches and
+    on-chip reuse are ignored."""
 
     name: str
     hbm: float  # bytes/s of device memory
     int8_macs: float  # dense int8 multiply-accumulates/s on the tensor cores
-    launch: float  # seconds a kernel costs beyond its work (launch and tail), an assumption
+    launch: float  # seconds a launch costs beyond the work (a kernel's or a graph's), assumed
+    in_graph: float = 0.0  # seconds a kernel in a graph costs beyond its work, assumed
 
 
 # ops a fusion may apply before slicing a parameter
@@ -223,6 +225,11 @@ def signature(operands, results) -> tuple:
     return tuple(tuple(dims) for dims in operands), tuple(tuple(dims) for dims in results)
 
 
+def trip_count(x: Instruction) -> int:
+    """A while loop's known trip count (1 where XLA does not know it)."""
+    return int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
+
+
 def scan_depth(x: Instruction) -> int:
     path = (re.search(r'op_name="([^"]*)"', x.attributes) or [None, ""])[1]
     return path.count("/while/body") + path.count("/while/cond")
@@ -243,9 +250,7 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
         for x in found[computation]:
             depth = scan_depth(x)
             if x.opcode == "while":
-                trips = int(
-                    (re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1]
-                )
+                trips = trip_count(x)
                 walk(called(x, "body"), runs * trips)
                 walk(called(x, "condition"), runs * trips)
             elif x.opcode == "call":
@@ -269,9 +274,62 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
     return kernels
 
 
-def modeled_seconds(kernels: list[Kernel], roofline: Roofline) -> float:
-    """The cost model's time of one call of the program (Roofline)."""
-    return sum(
-        k.runs * (max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch)
+# ------------------------------------------------------------------------------------------------
+# Command buffers: the kernels XLA's GPU runtime records into CUDA graphs, and the graphs it
+# launches. The compiled HLO does not show them; the thunk sequence that XLA dumps after its thunk
+# passes does (`--xla_dump_to`): a line a thunk, `NNN: kKind [...] name grid: [x, y, z] ...`,
+# indented under the command buffer or loop that holds it, NNN the thunk's id, which the dumped
+# thunk metadata maps to its HLO instruction ("profile_annotation").
+
+THUNK = re.compile(r"^(\s*)(\d+): (k\w+)\s+\[[^\]]*\]\s*(.*)$")
+ANNOTATION = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
+
+
+class Launches(NamedTuple):
+    """How a compiled GPU program launches its kernels, per call."""
+
+    graphs: int  # command buffers (CUDA graphs) launched, each loop's counted by its trips
+    captured: frozenset  # the HLO names of the kernels recorded in a command buffer
+    grids: dict  # {HLO name: its launch's grid of blocks (CTAs), (x, y, z)}
+
+
+def launches(sequence: str, metadata: str, hlo: str) -> Launches:
+    """The Launches of a program from XLA's dumps: its thunk sequence after the thunk passes, its
+    thunk metadata and its compiled HLO (for the loops' trip counts)."""
+    names = {int(i): name for name, i in ANNOTATION.findall(metadata)}
+    trips = {x.name: trip_count(x) for body in computations(hlo)[0].values() for x in body}
+    graphs, captured, grids = 0, set(), {}
+    around = []  # (indent, kind, runs) of the thunks that hold this line's
+    for line in sequence.splitlines():
+        if not (match := THUNK.match(line)):
+            continue  # a loop's "condition:" or "body:"
+        indent, name, kind = len(match[1]), names.get(int(match[2]), ""), match[3]
+        while around and around[-1][0] >= indent:
+            around.pop()
+        runs = around[-1][2] if around else 1
+        recorded = any(k == "kCommandBuffer" for _, k, _ in around)
+        if kind == "kCommandBuffer" and not recorded:
+            graphs += runs
+        if recorded and name:
+            captured.add(name)
+        if grid := re.search(r"grid: \[(\d+), (\d+), (\d+)\]", match[4]):
+            grids[name] = tuple(int(g) for g in grid.groups())
+        around.append((indent, kind, runs * trips.get(name, 1) if kind == "kWhile" else runs))
+    return Launches(graphs, frozenset(captured), grids)
+
+
+def modeled_seconds(
+    kernels: list[Kernel], roofline: Roofline, launched: Launches | None = None
+) -> float:
+    """The cost model's time of one call of the program (Roofline): every kernel launched on its
+    own, unless `launched` says which are in graphs and how many graphs are launched."""
+    captured = launched.captured if launched else frozenset()
+    work = sum(
+        k.runs
+        * (
+            max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs)
+            + (roofline.in_graph if k.name in captured else roofline.launch)
+        )
         for k in kernels
     )
+    return work + (launched.graphs * roofline.launch if launched else 0.0)

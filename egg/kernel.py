@@ -9,9 +9,9 @@ Arithmetic of integer functions, so that the kernel and XLA's products compute t
 integers (the tests compare them bit for bit, the kernel in Pallas's interpreter on the CPU).
 
 Its operands are views of the caller's arrays, never copies: the members as rows of pairs
-(K, Q, S n), side s of pair q in the columns [s n, (s + 1) n); block parameters and states whole
-(L, ...), the layer read inside the kernel (a slice taken outside would be a copy); matrices that
-read the same input stacked on a leading axis G. Axes: K replicas, Q pairs (repeats x distinct),
+(K, Q, S n), side s of pair q in the columns [s n, (s + 1) n); block parameters whole (L, ...),
+the layer read inside the kernel (a slice taken outside would be a copy); matrices that read the
+same input stacked on a leading axis G. Axes: K replicas, Q pairs (repeats x distinct),
 D distinct pairs, S sides, L layers, G stacked matrices, m outputs, n inputs.
 """
 
@@ -98,7 +98,6 @@ def int8_product(
     noisy: bool,
     gained: bool,
     added: bool,
-    x_layered: bool,
     tile: tuple,
     arithmetic: Arithmetic,
 ):
@@ -115,7 +114,6 @@ def int8_product(
     gain_ref = extra.pop(0) if gained else None
     residual_ref = extra.pop(0) if added else None
     at = layer_ref[0]
-    x_at = at if x_layered else 0
     sign = 1 - 2 * pl.program_id(4)
 
     def columns_of(k):
@@ -124,13 +122,13 @@ def int8_product(
     if gained:  # the layer norm's per-row multiplier, from sum |x| over the whole row
 
         def absolute(k, total):
-            return total + jnp.sum(jnp.abs(x_ref[x_at, 0, :, columns_of(k)].astype(i32)), 1)
+            return total + jnp.sum(jnp.abs(x_ref[0, :, columns_of(k)].astype(i32)), 1)
 
         total = jax.lax.fori_loop(0, n // depth, absolute, jnp.zeros((rows,), i32))
         scale = arithmetic.norm_scale(total, n)[:, None]
 
     def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed where there is a gain
-        chunk = x_ref[x_at, 0, :, columns_of(k)]
+        chunk = x_ref[0, :, columns_of(k)]
         if not gained:
             return chunk
         return arithmetic.normalise(chunk, gain_ref[at, 0, :, columns_of(k)], scale)
@@ -163,8 +161,8 @@ def specs(x, w, a, b, shifts, layer, gain, residual, tile: tuple[int, int, int])
     from jax.experimental import pallas as pl
 
     rows, columns, n = tile
-    layers_x, layers = x.shape[0], w.shape[1]
-    pair_tiles = (a.shape[3] if a is not None else x.shape[2]) // rows
+    layers = w.shape[1]
+    pair_tiles = (a.shape[3] if a is not None else x.shape[1]) // rows
     column_tiles = w.shape[3] // columns
 
     def pair(i):
@@ -173,7 +171,7 @@ def specs(x, w, a, b, shifts, layer, gain, residual, tile: tuple[int, int, int])
     spec = pl.BlockSpec
     in_specs = [
         spec((1,), lambda k, g, i, j, s: (0,)),
-        spec((layers_x, 1, rows, n), lambda k, g, i, j, s: (0, k, i, s)),
+        spec((1, rows, n), lambda k, g, i, j, s: (k, i, s)),
         spec((1, layers, 1, columns, n), lambda k, g, i, j, s: (g, 0, k, j, 0)),
     ]
     operands = [jnp.reshape(layer, (1,)).astype(i32), x, w]
@@ -203,31 +201,29 @@ def cost(x, w, a, b, gain, residual, out):
     output whole."""
     from jax.experimental import pallas as pl
 
-    layers_x, layers = x.shape[0], w.shape[1]
+    layers = w.shape[1]
     stacked = sum(o.nbytes // layers for o in (w, a, b, gain) if o is not None)  # one layer of each
     outputs = math.prod(out.shape)  # int8, written whole, as the residual is read whole
     residual_bytes = residual.nbytes if residual is not None else 0
-    moved = x.nbytes // layers_x + stacked + residual_bytes + outputs
+    moved = x.nbytes + stacked + residual_bytes + outputs
     macs = outputs * w.shape[-1]
     return pl.CostEstimate(flops=2 * macs, transcendentals=0, bytes_accessed=moved)
 
 
-def product(
-    x, w, a, b, shifts, layer, gain, residual, *, x_layered: bool, interpret: bool, arithmetic
-):
+def product(x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arithmetic):
     """Every member's int8 product with G matrices: out[g] = rescale(x' W_g^T + noise term), x' the
     layer norm of x (with a gain) or x, plus the residual (with one), each as `arithmetic` says.
 
-    x (Lx, K, Q, S n) int8 (Lx = L with x_layered: the states, read at `layer`); w (G, L, K, m, n);
+    x (K, Q, S n) int8; w (G, L, K, m, n);
     a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
     (K,) int32, each replica's sigma_shift; layer () int32; gain (L, K, D, S n), (L, K, 1, n)
     (every row's) or None; residual (K, Q, S m) or None. Returns (G, K, Q, S m). A program
     (int8_product) computes a tile of pairs and outputs of one side of one matrix."""
     from jax.experimental import pallas as pl
 
-    _, replicas, pairs, _ = x.shape
+    replicas, pairs, _ = x.shape
     groups, _, _, m, n = w.shape
-    sides = x.shape[3] // n
+    sides = x.shape[2] // n
     noisy = a is not None
     distinct = a.shape[3] if noisy else pairs
     rows, columns, depth = tiles(replicas, groups, pairs, distinct, m, n, sides)
@@ -236,7 +232,6 @@ def product(
     program = partial(
         int8_product,
         **kinds,
-        x_layered=x_layered,
         tile=(rows, columns, depth, n),
         arithmetic=arithmetic,
     )
@@ -266,9 +261,9 @@ def fault(device, arithmetic: Arithmetic) -> str:
     from egg.hlo import compile_fault
 
     def one_tile(x, w):
-        options = dict(x_layered=False, interpret=False, arithmetic=arithmetic)
+        options = dict(interpret=False, arithmetic=arithmetic)
         return product(x, w, None, None, None, 0, None, None, **options)
 
-    shapes = (((1, 1, 16, 16), jnp.int8), ((1, 1, 1, 16, 16), jnp.int8))
+    shapes = (((1, 16, 16), jnp.int8), ((1, 1, 1, 16, 16), jnp.int8))
     found = compile_fault(one_tile, device, *shapes)
     return found and f"the GPU product kernel cannot run under JAX {jax.__version__} ({found})"

@@ -1,42 +1,64 @@
-"""What a machine with an NVIDIA GPU can tell that no other can, in one run of under 10 minutes:
+"""What a machine with an NVIDIA GPU can tell that no other can, in one call of under 10 minutes.
+In order of what matters most, each table printed as soon as it is measured (a call cut short keeps
+what it measured), each part skipped with one line where --budget has too little left for it:
 
-1. the tests whose arithmetic runs on the device (the forward pass against the integer reference,
-   the step, the update, the noise), on the GPU; the product kernel as compiled against the same
-   kernel in Pallas's interpreter, on the GPU too (the tests can only interpret it); and XLA's own
-   int8 products of a small model's shapes against numpy's exact ones;
-2. the same small training run on the GPU (its products in run.py's Pallas kernel, then left to XLA
-   with --kernels xla) and on the CPU: their checkpoints must be bit-identical (all arithmetic is
-   integer; any difference is a bug);
-3. bench.py at 64D-2L population 4096 and 256D-6L populations 1024 and 32768, each beside what
-   bench.py --target h100 models for it;
-4. one generation of each of those configurations profiled kernel by kernel (JAX's profiler),
-   beside the cost model's time for the same kernels of the same compiled program;
-and prints each table as it is measured, then all of them again, last.
+(a) nano-egg beside egg-jax: upstream's own run.py, from the clone --nano_egg names (never copied
+    into this repository), and this run.py, one after the other on the same GPU, the same bytes (a
+    corpus of this Python's own source files, made here: nothing to download) and the same flags
+    (scripts/side_by_side.py runs each): at nano-egg's README command (population 32768 of its
+    256D-6L) and at populations 4096 and 1024 of 64D-2L: training tokens/s, peak GPU memory and
+    validation bits/byte after the same generations. Without --nano_egg, egg-jax's side alone;
+(b) egg-jax at population 32768: (a)'s first configuration, its egg-jax side;
+(c) the generation step of each configuration, in one process, compiled six ways and timed beside
+    what bench.py's cost model says of the same compiled program (its launches read from XLA's
+    dump): the product kernel with its tiles as before (the largest, 64 pairs by 64 outputs) and as
+    now (two programs, CTAs, for each SM at least), with XLA's default command buffers (CUDA
+    graphs), with none and with loops recorded too (WHILE); XLA's own products with and without
+    command buffers; then one generation of today's program profiled kernel by kernel (JAX's
+    profiler) beside the model's time for each kernel;
+(d) full-rank ES (--rank 0), the same 20 generations on the GPU and on the CPU: the same bits;
+(e) the rest: the tests whose arithmetic runs on the device; the product kernel as compiled against
+    the same kernel in Pallas's interpreter; XLA's int8 products against numpy's; the same low-rank
+    training on the GPU (the kernel's products, then XLA's) and on the CPU: the same bits.
 
-    python scripts/gpu_check.py                       # on the GPU machine, from the repository root
-    python scripts/gpu_check.py --platform cpu --quick   # its CPU part (what the tests run)
+    python scripts/gpu_check.py --nano_egg NANO_EGG     # on the GPU machine, from the repository
+    python scripts/gpu_check.py --platform cpu --quick  # its CPU part (what the tests run)
+    python scripts/gpu_check.py --parts c d             # some parts only
 
-A GPU image may lack run.py's command-line packages: carry them as wheels, e.g.
-`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl tyro
-docstring-parser shtab typeguard` here, installed there with `pip install --no-index .whl/*`.
+NANO_EGG is a clone of github ESHyperscale/nano-egg (a bare one will do). A GPU machine without
+internet needs them beside the repository, and run.py's command-line packages its image may lack,
+carried as wheels; made where there is internet:
+
+    git clone --bare https://github.com/ESHyperscale/nano-egg .nano-egg
+    pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \\
+        tyro docstring-parser shtab typeguard
+
+and there: `pip install --no-index .whl/*`. Upstream also imports `datasets` and `wandb`, which it
+does not use here (side_by_side.py gives it stand-ins where they are missing), and needs about 17
+GiB of host memory (its 2**28-entry log table is built in float64).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # side_by_side.py, beside this script
+import side_by_side  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("a", "c", "d", "e")  # (b) is part of (a)
 TESTS = [
     "tests/test_model_reference.py",
     "tests/test_step.py",
@@ -48,35 +70,94 @@ SMALL_RUN = (
     "--group_size 4 --tokens_per_update 16 --validation_batch_size 8 --validation_tokens 32 "
     "--num_epochs 20 --save_every 20"
 ).split()
-BENCHMARKS = {  # name: (flags, timed generations)
-    "64D-2L, population 4096": (
-        "--n_embd 64 --n_layer 2 --parallel_generations_per_gpu 4096".split(),
-        10,
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    flags: tuple[str, ...]  # flags both scripts know
+    generations: int  # of each side in (a), validated once, after the last
+    side_seconds: float  # the longest (a) waits for one side of it
+
+
+# nano-egg's README command first (its other defaults, 256D-6L, are ours too); a member's tokens
+# given (side_by_side.py asks for them: the scripts' defaults may differ)
+CONFIGURATIONS = (
+    Configuration(
+        "nano-egg's README command: 256D-6L, population 32768",
+        ("--parallel_generations_per_gpu", "32768", "--tokens_per_update", "100"),
+        30,
+        150,
     ),
-    "256D-6L, population 1024": ("--parallel_generations_per_gpu 1024".split(), 5),
-    "256D-6L, population 32768": (
-        "--parallel_generations_per_gpu 32768 --group_size 512".split(),
-        3,
+    Configuration(
+        "64D-2L, population 4096",
+        ("--n_embd", "64", "--n_layer", "2", "--parallel_generations_per_gpu", "4096")
+        + ("--tokens_per_update", "100"),
+        100,
+        75,
     ),
+    Configuration(
+        "64D-2L, population 1024",
+        ("--n_embd", "64", "--n_layer", "2", "--parallel_generations_per_gpu", "1024")
+        + ("--tokens_per_update", "100"),
+        100,
+        75,
+    ),
+)
+QUICK_CONFIGURATIONS = (
+    Configuration(
+        "32D-1L, population 64",
+        tuple(
+            "--n_embd 32 --n_layer 1 --parallel_generations_per_gpu 64 --group_size 4 "
+            "--tokens_per_update 8".split()
+        ),
+        20,
+        120,
+    ),
+)
+VALID_BYTES = 1 << 18  # (a)'s validation bytes, the corpus's last: 256 a stream of 1,024
+TRAIN_BYTES = 1 << 25  # (a)'s training bytes at most, those before them
+SEED = ("--seed", "0")
+# (c): the product kernel's tile rule as it was (the largest tiles, at most 64 outputs) and as it
+# is; XLA's command buffers as it records them by default, none, and loops recorded too (WHILE)
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE"}
+VARIANTS = {  # name: (--kernels, the kernel's tiles as they were, XLA's options)
+    "kernel, tiles before, graphs": ("pallas", True, {}),
+    "kernel, tiles now, graphs": ("pallas", False, {}),
+    "kernel, tiles now, no graphs": ("pallas", False, NO_GRAPHS),
+    "kernel, tiles now, loops in graphs": ("pallas", False, WHILE),
+    "XLA's products, graphs": ("xla", False, {}),
+    "XLA's products, no graphs": ("xla", False, NO_GRAPHS),
 }
-QUICK_BENCHMARKS = {
-    "16D-1L, population 64": (
-        "--n_embd 16 --n_layer 1 --parallel_generations_per_gpu 64".split(),
-        2,
-    )
-}
+PROFILED = "kernel, tiles now, graphs"  # the variant whose one generation (c) profiles
 
 
 @dataclass(frozen=True)
 class Args:
     platform: str = "cuda"
     """the platform under test (cpu: this script's own check, on any machine)"""
+    nano_egg: str = ""
+    """a clone of github ESHyperscale/nano-egg, for (a) ('': egg-jax's side alone)"""
+    parts: tuple[str, ...] = PARTS
+    """the parts to run, of a c d e ((b) is part of (a))"""
+    budget: float = 540.0
+    """seconds for all parts: each is skipped with a line where too little is left"""
     quick: bool = False
-    """a tiny benchmark and profile instead of the three configurations (for the tests)"""
-    skip_tests: bool = False
-    """leave out step 1"""
+    """tiny configurations and checks (for the tests)"""
     out: str = ""
-    """folder for the logs and traces (default: a new temporary folder)"""
+    """folder for the logs, runs and traces (default: a new temporary folder)"""
+
+
+@dataclass
+class Clock:
+    """The seconds left of the budget, from its start."""
+
+    budget: float
+    started: float = field(default_factory=time.time)
+
+    def left(self) -> float:
+        return self.budget - (time.time() - self.started)
 
 
 def run_module():
@@ -102,33 +183,288 @@ def run_py(*flags: str, platform: str, script: str = "run.py") -> subprocess.Com
     return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
 
 
-def same_training(platform: str, out: Path) -> list[str]:
-    """The digests of the same 20 generations on `platform` (its default products, then XLA's) and
-    on the CPU."""
-    digests = []
-    sides = (
-        ("device", platform, []),
-        ("device-xla", platform, ["--kernels", "xla"]),
-        ("reference", "cpu", []),
-    )
-    for side, where, flags in sides:
-        runs = out / f"runs-{side}"
-        split = ["--cpu_devices", "1"] if where == "cpu" else []
-        done = run_py(
-            *SMALL_RUN,
-            *split,
-            *flags,
-            "--runs_dir",
-            str(runs),
-            "--dir_path",
-            str(out / "cache"),
-            platform=where,
+# ------------------------------------------------------------------------------------------------
+# (a) and (b): nano-egg beside egg-jax, each side a run of its own run.py.
+
+
+def side_corpus(out: Path, quick: bool) -> tuple[Path, Path]:
+    """(train, valid) files of (a): this Python's own source files (run.py's --data stdlib), the
+    last VALID_BYTES held out, at most TRAIN_BYTES before them (a sixteenth in --quick)."""
+    from egg import corpus  # noqa: PLC0415
+
+    data = corpus.load_corpus("stdlib", str(out / "cache"))
+    valid, size = VALID_BYTES >> 4 * quick, TRAIN_BYTES >> 4 * quick
+    train_file, valid_file = out / "side-train.bin", out / "side-valid.bin"
+    train_file.write_bytes(bytes(data[max(0, len(data) - valid - size) : len(data) - valid]))
+    valid_file.write_bytes(bytes(data[len(data) - valid :]))
+    return train_file, valid_file
+
+
+def side_lines(name: str, sides: dict, flags: str, generations: int) -> list[str]:
+    """(a)'s table of one configuration: a row a side (FAILED with why where it failed), and the
+    ratios where both ran."""
+    lines = [
+        f"== (a) {name}: {flags}; {generations} generations, validated after the last",
+        f"{'side':9} {'tokens/s':>13} {'s/generation':>13} {'peak GPU GiB':>13} "
+        f"{'val bits/byte':>14} {'wall s':>7}",
+    ]
+    for label, side in sides.items():
+        if isinstance(side, str):
+            lines.append(f"{label:9} FAILED: {side}")
+            continue
+        device = "-" if side.peak_device_gib is None else f"{side.peak_device_gib:.2f}"
+        last = side.validation.get(generations, math.nan)
+        lines.append(
+            f"{label:9} {side.tokens_per_second:13,.0f} {side.seconds_per_generation:13.4f} "
+            f"{device:>13} {last:14.4f} {side.wall_seconds:7.0f}"
         )
+    ours, theirs = sides.get("egg-jax"), sides.get("nano-egg")
+    if isinstance(ours, side_by_side.Side) and isinstance(theirs, side_by_side.Side):
+        memory = ""
+        if ours.peak_device_gib and theirs.peak_device_gib:
+            memory = f", {ours.peak_device_gib / theirs.peak_device_gib:.3f}x the peak GPU memory"
+        gap = ours.validation.get(generations, math.nan) - theirs.validation.get(
+            generations, math.nan
+        )
+        lines.append(
+            f"egg-jax / nano-egg: {ours.tokens_per_second / theirs.tokens_per_second:.2f}x the "
+            f"tokens/s{memory}, {gap:+.4f} bits/byte (nano-egg's validation truncates: it reads "
+            "about 0.03 low)"
+        )
+    return lines
+
+
+def beside_nano_egg(args: Args, out: Path, clock: Clock) -> list[str]:
+    """(a), configuration by configuration, each side given at most its Configuration's seconds
+    and what the budget has left."""
+    train, valid = side_corpus(out, args.quick)
+    lines = []
+    for config in QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS:
+        flags = " ".join([*config.flags, *SEED])
+        given = side_by_side.Args(
+            args.nano_egg or "-",
+            str(train),
+            str(valid),
+            flags=flags,
+            num_epochs=config.generations,
+            validate_every=config.generations,
+        )
+        common = side_by_side.common_flags(given, validation_batch=1024)
+        runners = {"nano-egg": side_by_side.run_upstream, "egg-jax": side_by_side.run_ours}
+        sides = {}
+        for label, runner in runners.items():
+            if label == "nano-egg" and not args.nano_egg:
+                continue
+            timeout = min(config.side_seconds, clock.left())
+            if timeout < config.side_seconds / 3:
+                sides[label] = f"skipped: {clock.left():.0f} s of the budget left"
+                continue
+            work = Path(tempfile.mkdtemp(prefix=f"side-{label}-", dir=out))
+            try:
+                sides[label] = runner(given, work, common, timeout)
+            except side_by_side.Failed as failed:
+                sides[label] = str(failed)
+        section = side_lines(config.name, sides, flags, config.generations)
+        print(*section, sep="\n", flush=True)
+        lines += section
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# (c): the generation step compiled six ways, timed beside the cost model; one generation profiled.
+
+
+@contextmanager
+def tiles_before(before: bool):
+    """The product kernel's tile rule as it was (the largest tiles, at most 64 outputs, whatever
+    the grid they give) while `before`; the rule of today otherwise."""
+    from egg import kernel  # noqa: PLC0415
+
+    kept = kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS
+    if before:
+        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS = 0, 64
+    try:
+        yield
+    finally:
+        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS = kept
+
+
+def compiled_step(flags: list[str], options: dict, dump: Path):
+    """run.py's generation step for these flags, compiled with these XLA options (its thunks dumped
+    into `dump`), and its first arguments: (compiled, traced, cfg, carry, batch, inputs)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    run = run_module()
+    jax.clear_caches()  # traced anew: the tile rule is read as the program is traced
+    args, mesh, cfg = run.start_devices(run.parse_args(flags))
+    replicas = run.replicas_of(args)
+    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
+    batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
+    batch = run.cluster.global_array(batch, mesh, run.REPLICATED)
+    inputs = run.replica_inputs(cfg, replicas, 0)
+    traced = run.make_generation_step(cfg, mesh).trace(*carry, batch, np.int32(0), *inputs)
+    compiled = traced.lower().compile({"xla_dump_to": str(dump), **options})
+    return compiled, traced, cfg, carry, batch, inputs
+
+
+def timed(compiled, carry, batch, inputs, least: float = 1.5) -> tuple[float, tuple]:
+    """(seconds a generation, the carry after them): one untimed, then back to back for at least
+    `least` seconds and 3 generations, the carry threaded through as training does (its arrays
+    donated: the carry given is spent)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    carry = jax.block_until_ready(compiled(*carry, batch, np.int32(0), *inputs))[:3]
+    count, tick = 0, time.time()
+    while count < 3 or time.time() - tick < least:
+        carry = compiled(*carry, batch, np.int32(count + 1), *inputs)[:3]
+        count += 1
+        if count % 4 == 0:
+            jax.block_until_ready(carry)  # a sync point: the clock reads finished generations
+    jax.block_until_ready(carry)
+    return (time.time() - tick) / count, carry
+
+
+def modeled_times(hlo: str, pallas_costs: dict, launched=None) -> dict[str, float]:
+    """{kernel: modeled us a generation} of a compiled program (bench.py's cost model for an H100,
+    its launches as `launched` says), by the names a trace gives: the product kernel's name (its
+    calls summed), else the HLO's."""
+    run, bench = run_module(), bench_module()
+    roofline, modeled = bench.ROOFLINES["h100"], {}
+    for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
+        seconds = bench.hlo.modeled_seconds([k], roofline, launched)
+        name = run.kernel.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
+        modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
+    return modeled
+
+
+def kernel_times(trace: Path) -> dict[str, float]:
+    """{kernel: microseconds} summed over a Perfetto trace's device events (JAX's profiler): the
+    complete events of every process named /device:..., by name (the product kernel's compiled
+    variants, NAME__1, NAME__2, ..., under NAME)."""
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
+    }
+    product, totals = run_module().kernel.int8_product.__name__, {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in devices:
+            name = re.sub(r"__\d+$", "", e["name"]) if e["name"].startswith(product) else e["name"]
+            totals[name] = totals.get(name, 0.0) + float(e.get("dur", 0.0))
+    return totals
+
+
+def profile_generation(compiled, carry, batch, inputs, out: Path) -> dict[str, float]:
+    """One generation of a compiled step traced by JAX's profiler, after one untraced:
+    {kernel: measured us}. The carry given is spent."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    carry = jax.block_until_ready(compiled(*carry, batch, np.int32(0), *inputs))[:3]
+    folder = out / f"trace-{len(list(out.glob('trace-*')))}"
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        jax.block_until_ready(compiled(*carry, batch, np.int32(1), *inputs))
+    (trace,) = folder.glob("**/perfetto_trace.json.gz")
+    return kernel_times(trace)
+
+
+def compare_kernels(
+    measured: dict[str, float], modeled: dict[str, float], top: int = 12
+) -> list[str]:
+    """The longest kernels measured, each beside its modeled time (names as XLA gives them)."""
+    lines = [f"{'kernel':44} {'measured us':>12} {'modeled us':>11}"]
+    for name, us in sorted(measured.items(), key=lambda item: -item[1])[:top]:
+        model = next((v for k, v in modeled.items() if name.startswith(k)), float("nan"))
+        lines.append(f"{name[:44]:44} {us:12,.1f} {model:11,.1f}")
+    total_model = sum(modeled.values())
+    lines.append(f"{'all kernels':44} {sum(measured.values()):12,.1f} {total_model:11,.1f}")
+    return lines
+
+
+def step_variants(
+    config: Configuration, out: Path, clock: Clock, least: float, variants: dict = VARIANTS
+) -> list[str]:
+    """(c) for one configuration: a row a variant (compile seconds, measured ms a generation and
+    tokens/s, modeled ms, CUDA graphs launched a generation, kernels launched on their own), then
+    the profiled generation's kernels beside the model."""
+    bench = bench_module()
+    roofline = bench.ROOFLINES["h100"]
+    lines = [
+        f"== (c) {config.name}: the generation step compiled {len(variants)} ways",
+        f"{'variant':36} {'compile s':>9} {'ms/gen':>9} {'tokens/s':>13} {'modeled ms':>10} "
+        f"{'graphs':>7} {'alone':>7}",
+    ]
+    print(*lines, sep="\n", flush=True)
+    profiled = []
+    for name, (kernels, before, options) in variants.items():
+        if clock.left() < 20:
+            lines.append(f"{name:36} skipped: {clock.left():.0f} s of the budget left")
+            print(lines[-1], flush=True)
+            continue
+        dump = Path(tempfile.mkdtemp(prefix="dump-", dir=out))
+        flags = [*config.flags, "--kernels", kernels]
+        try:
+            tick = time.time()
+            with tiles_before(before):
+                compiled, traced, cfg, carry, batch, inputs = compiled_step(flags, options, dump)
+            compile_seconds = time.time() - tick
+            seconds, carry = timed(compiled, carry, batch, inputs, least)
+        except Exception as error:  # a variant that fails is a finding: its line says how
+            lines.append(f"{name:36} FAILED: {type(error).__name__}: {str(error)[:200]}")
+            print(lines[-1], flush=True)
+            continue
+        text = compiled.as_text()
+        launched = bench.dumped_launches(dump, text)
+        costs = bench.pallas_costs(traced.jaxpr)
+        kernels_found = bench.hlo.gpu_kernels(text, costs)
+        modeled = bench.hlo.modeled_seconds(kernels_found, roofline, launched)
+        figures = bench.describe_program(kernels_found, cfg, 1, launched)
+        tokens = cfg.population * cfg.tokens * cfg.replicas
+        graphs = "?" if figures["graphs"] is None else f"{figures['graphs']:,}"
+        lines.append(
+            f"{name:36} {compile_seconds:9.1f} {seconds * 1e3:9.2f} {tokens / seconds:13,.0f} "
+            f"{modeled * 1e3:10.2f} {graphs:>7} {figures['alone']:7,}"
+        )
+        print(lines[-1], flush=True)
+        if name == PROFILED and clock.left() > 20:
+            measured = profile_generation(compiled, carry, batch, inputs, out)
+            profiled = [
+                f"-- {name}: one generation, kernel by kernel",
+                *compare_kernels(measured, modeled_times(text, costs, launched)),
+            ]
+    print(*profiled, sep="\n", flush=True)
+    return lines + profiled
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) and (e): the same bits as the CPU's, and what else runs on the device.
+
+
+def same_training(platform: str, out: Path, flags=(), kernels=True) -> list[str]:
+    """The digests of the same 20 generations on `platform` (its default products, then XLA's,
+    unless not `kernels`) and on the CPU, with these flags besides SMALL_RUN's."""
+    digests = []
+    sides = [("device", platform, []), ("device-xla", platform, ["--kernels", "xla"])]
+    sides = sides if kernels else sides[:1]
+    for side, where, engine in [*sides, ("reference", "cpu", [])]:
+        runs = out / f"runs-{side}{'-'.join(['', *flags])}"
+        split = ["--cpu_devices", "1"] if where == "cpu" else []
+        folders = ["--runs_dir", str(runs), "--dir_path", str(out / "cache")]
+        done = run_py(*SMALL_RUN, *flags, *split, *engine, *folders, platform=where)
         if done.returncode:
             raise SystemExit(f"training on {where} failed:\n{done.stderr[-3000:]}")
         (folder,) = runs.glob("*/checkpoints/gen-00000020")
         digests.append(run_module().checkpoints.checkpoint_digest(folder))
     return digests
+
+
+def same_bits(what: str, digests: list[str]) -> str:
+    verdict = "identical" if len(set(digests)) == 1 else "DIFFERENT: a bug"
+    return f"{what}: {' / '.join(digests)}, {verdict}"
 
 
 # n, m, pairs
@@ -169,15 +505,13 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
         if added and m != n:
             continue
         sides = 2 if noisy else 1
-        x, w = r8(2, 1, pairs, sides * n), r8(1, 2, 1, m, n)
+        x, w = r8(1, pairs, sides * n), r8(1, 2, 1, m, n)
         a, b = (r8(1, 2, 1, pairs, k, low=-8, high=9) for k in (m, n)) if noisy else (None, None)
         gain = r8(2, 1, pairs if noisy else 1, sides * n, low=1) if gained else None  # a row each
         residual = r8(1, pairs, sides * m) if added else None
         operands = (x, w, a, b, jnp.asarray([2], jnp.int32), jnp.int32(1), gain, residual)
         outs = [
-            np.asarray(
-                jax.jit(partial(kernel, x_layered=True, interpret=interpret))(*operands)
-            ).astype(int)
+            np.asarray(jax.jit(partial(kernel, interpret=interpret))(*operands)).astype(int)
             for interpret in (True, platform == "cpu")
         ]
         differ, cases = np.count_nonzero(outs[0] != outs[1]), cases + 1
@@ -241,150 +575,74 @@ def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> li
     ]
 
 
-def benchmark_lines(
-    flags: list[str], generations: int, platform: str
-) -> tuple[list[str], list[str]]:
-    """(measured table lines, modeled report lines) of one configuration; a run that fails gives one
-    FAILED line with its last error line instead (the other configurations still run)."""
-    measured = run_py(
-        *flags, "--num_epochs", str(generations), platform=platform, script="bench.py"
+def the_rest(args: Args, out: Path) -> list[str]:
+    """(e): the tests on the device, the kernel against its interpreter, XLA's products against
+    numpy's, the same low-rank training on the device and the CPU."""
+    lines = []
+    if not args.quick:
+        env = {**os.environ, "JAX_PLATFORMS": args.platform}
+        command = [sys.executable, "-m", "pytest", "-q", "--maxfail=10", *TESTS]
+        done = subprocess.run([*command, "-k", "not benchmark"], cwd=ROOT, env=env)
+        lines.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
+    lines += kernel_against_interpreter(
+        args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
     )
-    modeled = run_py("--target", "h100", *flags, platform="cpu", script="bench.py")
-    for done in (measured, modeled):
-        if done.returncode:
-            print(done.stderr[-3000:], file=sys.stderr, flush=True)
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return [f"FAILED: {shlex.join(done.args[2:])}: {last}"], []
-    keep = ("device:", "a training", "b fitness", "c inference", "training / inference")
-    table = [line for line in measured.stdout.splitlines() if line.startswith(keep)]
-    report = [
-        line
-        for line in modeled.stdout.splitlines()
-        if line.startswith(("kernels per", "bytes per", "modeled"))
-    ]
-    return table, report
-
-
-def kernel_times(trace: Path) -> dict[str, float]:
-    """{kernel: microseconds} summed over a Perfetto trace's device events (JAX's profiler): the
-    complete events of every process named /device:..., by name (the product kernel's compiled
-    variants, NAME__1, NAME__2, ..., under NAME)."""
-    events = json.load(gzip.open(trace))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    devices = {
-        e["pid"]
-        for e in events
-        if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
-    }
-    product, totals = run_module().kernel.int8_product.__name__, {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in devices:
-            name = re.sub(r"__\d+$", "", e["name"]) if e["name"].startswith(product) else e["name"]
-            totals[name] = totals.get(name, 0.0) + float(e.get("dur", 0.0))
-    return totals
-
-
-def profile_generation(
-    flags: list[str], platform: str, out: Path
-) -> tuple[dict[str, float], dict[str, float]]:
-    """One training generation profiled: ({kernel: measured us}, {kernel: modeled us}), the modeled
-    times from the cost model of the same compiled program's kernels (bench.py --target's)."""
-    os.environ["JAX_PLATFORMS"] = platform
-    import jax  # noqa: PLC0415 (after the platform is set)
-    import numpy as np  # noqa: PLC0415
-
-    run, bench = run_module(), bench_module()
-    args, mesh, cfg = run.start_devices(run.parse_args(flags))
-    replicas = run.replicas_of(args)
-    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
-    batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
-    batch = run.cluster.global_array(batch, mesh, run.REPLICATED)
-    inputs = run.replica_inputs(cfg, replicas, 0)
-    traced = run.make_generation_step(cfg, mesh).trace(*carry, batch, np.int32(0), *inputs)
-    step = traced.lower().compile()
-    carry = jax.block_until_ready(step(*carry, batch, np.int32(0), *inputs))[:3]
-    folder = out / f"trace-{len(list(out.glob('trace-*')))}"
-    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-        jax.block_until_ready(step(*carry, batch, np.int32(1), *inputs))
-    (trace,) = folder.glob("**/perfetto_trace.json.gz")
-    return kernel_times(trace), modeled_times(step.as_text(), bench.pallas_costs(traced.jaxpr))
-
-
-def modeled_times(hlo: str, pallas_costs: dict) -> dict[str, float]:
-    """{kernel: modeled us a generation} of a compiled program (bench.py's cost model for an H100),
-    by the names a trace gives: the product kernel's name (its calls summed), else the HLO's."""
-    run, bench = run_module(), bench_module()
-    roofline, modeled = bench.ROOFLINES["h100"], {}
-    for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
-        seconds = k.runs * (
-            max(k.bytes / roofline.hbm, k.macs / roofline.int8_macs) + roofline.launch
-        )
-        name = run.kernel.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
-        modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
-    return modeled
-
-
-def compare_kernels(
-    measured: dict[str, float], modeled: dict[str, float], top: int = 12
-) -> list[str]:
-    """The longest kernels measured, each beside its modeled time (names as XLA gives them)."""
-    lines = [f"{'kernel':44} {'measured us':>12} {'modeled us':>11}"]
-    for name, us in sorted(measured.items(), key=lambda item: -item[1])[:top]:
-        model = next((v for k, v in modeled.items() if name.startswith(k)), float("nan"))
-        lines.append(f"{name[:44]:44} {us:12,.1f} {model:11,.1f}")
-    total_model = sum(modeled.values())
-    lines.append(f"{'all kernels':44} {sum(measured.values()):12,.1f} {total_model:11,.1f}")
+    lines += xla_dots_against_numpy(
+        args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
+    )
+    where = f"20 generations on {args.platform} (its kernels; XLA's products) and on the CPU"
+    lines.append(same_bits(where, same_training(args.platform, out)))
     return lines
+
+
+def versions() -> str:
+    """The device, JAX and the code this call measures."""
+    import jax  # noqa: PLC0415
+
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    code = commit.stdout.strip() if commit.returncode == 0 else "unknown (no git here)"
+    device = jax.devices()[0]
+    return (
+        f"device: {getattr(device, 'device_kind', device.platform)}; JAX {jax.__version__}; "
+        f"code {code}"
+    )
 
 
 def main(args: Args) -> int:
     os.environ["JAX_PLATFORMS"] = args.platform  # before run.py brings JAX in
-    started = time.time()
+    clock = Clock(args.budget)
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    if not args.skip_tests:
-        env = {**os.environ, "JAX_PLATFORMS": args.platform}
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "--maxfail=10", *TESTS, "-k", "not benchmark"],
-            cwd=ROOT,
-            env=env,
-        )
-        results.append(
-            f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}"
-        )
-    results += kernel_against_interpreter(
-        args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
-    )
-    results += xla_dots_against_numpy(
-        args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
-    )
-    digests = same_training(args.platform, out)
-    same = len(set(digests)) == 1
-    verdict = "identical" if same else "DIFFERENT: a bug"
-    where = f"20 generations on {args.platform} (its kernels; XLA's products) and on the CPU"
-    results.append(f"{where}: {' / '.join(digests)}, {verdict}")
-    print(*results, sep="\n", flush=True)
-    tables = []
-    for name, (flags, generations) in (QUICK_BENCHMARKS if args.quick else BENCHMARKS).items():
-        table, report = benchmark_lines(flags, generations, args.platform)
-        measured, modeled = profile_generation(flags, args.platform, out)
-        section = [
-            f"== {name}: bench.py (measured)",
-            *table,
-            "-- bench.py --target h100 (modeled)",
-            *report,
-        ]
-        section += [
-            "-- one training generation, kernel by kernel",
-            *compare_kernels(measured, modeled),
-        ]
-        print(*section, sep="\n", flush=True)  # as it comes: a run cut short keeps what it measured
-        tables += section
-    print(
-        "\n".join([*tables, *results, f"(gpu_check: {time.time() - started:.0f} s, logs in {out})"])
-    )
-    return 0 if same and all("FAILED" not in line for line in results + tables) else 1
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"error: --parts {' '.join(sorted(unknown))}: parts are {PARTS}")
+    tables = [versions()]
+    print(tables[0], flush=True)
+    configurations = QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS
+    if "a" in args.parts:
+        tables += beside_nano_egg(args, out, clock)
+    if "c" in args.parts:
+        for config in configurations:
+            tables += step_variants(config, out, clock, 0.2 if args.quick else 1.5)
+    if "d" in args.parts:
+        if clock.left() > 30:
+            digests = same_training(args.platform, out, ["--rank", "0"], kernels=False)
+            where = f"--rank 0 (full rank): 20 generations on {args.platform} and on the CPU"
+            tables.append(same_bits(f"(d) {where}", digests))
+        else:
+            tables.append(f"(d) skipped: {clock.left():.0f} s of the budget left")
+        print(tables[-1], flush=True)
+    if "e" in args.parts:
+        if clock.left() > 60:
+            rest = the_rest(args, out)
+        else:
+            rest = [f"(e) skipped: {clock.left():.0f} s of the budget left"]
+        print(*rest, sep="\n", flush=True)
+        tables += rest
+    print("\n".join([*tables, f"(gpu_check: {time.time() - clock.started:.0f} s, logs in {out})"]))
+    return 0 if not [line for line in tables if "FAILED" in line or "DIFFER" in line] else 1
 
 
 if __name__ == "__main__":

@@ -18,25 +18,33 @@ reads its data from cached_files/minipile_{train,valid,test}.npy beside its run.
 there from TRAIN and VALID (test is VALID). Upstream needs about 17 GiB of memory whatever the
 model's size (its 2**28-entry log table is built in float64): run nothing else large beside it.
 
+Where upstream's imports `datasets` and `wandb` are not installed (a GPU image may lack them), it
+gets stand-ins that refuse to be used: with its data cached and --track off it uses neither.
+
 Upstream's numbers are reported as it prints them. Its validation metric reads about 0.03 bits/byte
 lower than exact (its integer log-softmax truncates). It prints a generation's throughput every 10th
 generation only (0, 10, 20, ...; validation excluded): its s/generation is the mean over those,
 without generation 0. Ours come from its metrics.jsonl (every generation but the first, which
 compiles). The median s/generation is printed too: on a shared machine it moves less than the mean.
-Peak RSS is each run's own (os.wait4), not the machine's.
+Peak RSS is each run's own (os.wait4), not the machine's; on an accelerator, peak device memory is
+what JAX's allocator held at most (read as the run exits), not what it reserved up front.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +57,26 @@ from tyro.conf import Positional, arg
 ROOT = Path(__file__).resolve().parent.parent  # the repository root, where our run.py is
 
 VALIDATION_BATCH = 64  # both scripts validate on this many parallel streams
+# Either script run through this: at its exit, the most device memory JAX's allocator held, in
+# bytes (on a CPU: nothing)
+MEASURED = """
+import atexit, runpy, sys
+
+def peak():
+    import jax
+    held = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
+    if any(held):
+        print(f"\\nside_by_side: peak device memory {max(held)} B", file=sys.stderr, flush=True)
+
+atexit.register(peak)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# stand-ins for upstream's imports that it does not use here (its data cached, --track off)
+STAND_INS = {
+    "datasets": "def load_dataset(*args, **kwargs):\n    raise SystemExit('no datasets here')\n",
+    "wandb": "def init(*args, **kwargs):\n    raise SystemExit('no wandb here')\n",
+}
 
 
 @dataclass(frozen=True)
@@ -87,27 +115,45 @@ class Side:
     median_seconds_per_generation: float  # their median: less moved by other load on the machine
     tokens_per_second: float  # tokens evaluated per generation / mean seconds per generation
     peak_rss_gib: float
+    peak_device_gib: float | None  # on an accelerator
     wall_seconds: float
     log: Path
 
 
+class Failed(Exception):
+    """A side's run failed or ran out of time: one line saying which, and where its log is."""
+
+
 def run_logged(
-    command: list[str], cwd: Path, log: Path, env: dict[str, str]
-) -> tuple[float, float]:
-    """Run `command`, its output to `log`. (Wall seconds, peak RSS in GiB): os.wait4 gives this
-    child's own resource use, where RUSAGE_CHILDREN would be the maximum over every child so far."""
-    print(f"running (in {cwd}) {shlex.join(command)}", flush=True)
+    script: str, flags: list[str], cwd: Path, log: Path, env: dict[str, str], timeout: float
+) -> tuple[float, float, float | None]:
+    """python SCRIPT FLAGS in `cwd` (through MEASURED), its output to `log`, killed with its
+    process group after `timeout` seconds. (Wall seconds, peak RSS in GiB, peak device memory in
+    GiB or None): os.wait4 gives this child's own resource use, where RUSAGE_CHILDREN would be the
+    maximum over every child so far."""
+    command = [sys.executable, "-u", "-c", MEASURED, script, *flags]
+    print(f"running (in {cwd}) python {shlex.join([script, *flags])}", flush=True)
     start = time.perf_counter()
     with open(log, "wb") as out:
-        child = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(child.pid, 0)
+        child = subprocess.Popen(
+            command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        killer = threading.Timer(timeout, os.killpg, (child.pid, signal.SIGKILL))
+        if math.isfinite(timeout):
+            killer.start()
+        try:
+            _, status, usage = os.wait4(child.pid, 0)
+        finally:
+            killer.cancel()
     child.returncode = os.waitstatus_to_exitcode(status)  # so Popen does not wait on it again
     wall = time.perf_counter() - start
+    if child.returncode == -signal.SIGKILL and wall >= timeout:
+        raise Failed(f"{script} in {cwd} ran past {timeout:.0f} s and was stopped; see {log}")
     if child.returncode:
-        raise SystemExit(
-            f"error: {command[1]} in {cwd} failed (exit {child.returncode}); see {log}"
-        )
-    return wall, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+        raise Failed(f"{script} in {cwd} failed (exit {child.returncode}); see {log}")
+    held = re.findall(r"side_by_side: peak device memory (\d+) B", log.read_text(errors="replace"))
+    device = int(held[-1]) / 2**30 if held else None
+    return wall, usage.ru_maxrss / 2**20, device  # ru_maxrss is in KiB on Linux
 
 
 def population_and_tokens(flags: list[str]) -> tuple[int, int]:
@@ -127,36 +173,48 @@ def population_and_tokens(flags: list[str]) -> tuple[int, int]:
     return values["--parallel_generations_per_gpu"], values["--tokens_per_update"]
 
 
-def upstream_source(args: Args) -> bytes:
-    """Upstream's run.py at --revision of the --nano_egg clone, or one line and exit."""
+def upstream_source(nano_egg: str, revision: str) -> bytes:
+    """Upstream's run.py at `revision` of the nano_egg clone; Failed where there is none."""
     shown = subprocess.run(
-        ["git", "-C", args.nano_egg, "show", f"{args.revision}:run.py"], capture_output=True
+        ["git", "-C", nano_egg, "show", f"{revision}:run.py"], capture_output=True
     )
     if shown.returncode:
         why = shown.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["git failed"]
-        raise SystemExit(
-            f"error: --nano_egg {args.nano_egg} --revision {args.revision}: no run.py there "
-            f"({why[0]})"
-        )
+        raise Failed(f"--nano_egg {nano_egg} --revision {revision}: no run.py there ({why[0]})")
     return shown.stdout
 
 
-def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
-    """Upstream's run.py from a temporary folder, its data as the .npy files it reads."""
-    folder = work / "upstream"
-    (folder / "cached_files").mkdir(parents=True)
-    (folder / "run.py").write_bytes(upstream_source(args))
-    train, valid = np.fromfile(args.train, np.uint8), np.fromfile(args.valid, np.uint8)
-    for split, data in (("train", train), ("valid", valid), ("test", valid)):
-        np.save(folder / "cached_files" / f"minipile_{split}.npy", data)
-    # HF_HOME: upstream keeps its compilation cache under it; offline and no W&B, whatever is set
+def upstream_environment(work: Path) -> dict[str, str]:
+    """Upstream's environment: offline, no W&B, its compilation cache under `work` (HF_HOME), and
+    STAND_INS for its imports that are not installed."""
+    missing = [name for name in STAND_INS if importlib.util.find_spec(name) is None]
     env = os.environ | {
         "HF_HOME": str(work / "hf"),
         "HF_HUB_OFFLINE": "1",
         "WANDB_MODE": "disabled",
     }
+    if missing:
+        (work / "stand-ins").mkdir(exist_ok=True)
+        for name in missing:
+            (work / "stand-ins" / f"{name}.py").write_text(STAND_INS[name])
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(work / "stand-ins"), env.get("PYTHONPATH", "")) if p
+        )
+    return env
+
+
+def run_upstream(args: Args, work: Path, common: list[str], timeout: float = math.inf) -> Side:
+    """Upstream's run.py from a temporary folder, its data as the .npy files it reads."""
+    folder = work / "upstream"
+    (folder / "cached_files").mkdir(parents=True)
+    (folder / "run.py").write_bytes(upstream_source(args.nano_egg, args.revision))
+    train, valid = np.fromfile(args.train, np.uint8), np.fromfile(args.valid, np.uint8)
+    for split, data in (("train", train), ("valid", valid), ("test", valid)):
+        np.save(folder / "cached_files" / f"minipile_{split}.npy", data)
     log = work / "upstream.log"
-    wall, rss = run_logged([sys.executable, "-u", "run.py", *common], folder, log, env)
+    wall, rss, device = run_logged(
+        "run.py", common, folder, log, upstream_environment(work), timeout
+    )
 
     # tqdm redraws its bar with carriage returns: split on them too
     text = log.read_text(errors="replace").replace("\r", "\n")
@@ -175,34 +233,21 @@ def run_upstream(args: Args, work: Path, common: list[str]) -> Side:
         statistics.median(seconds),
         per_generation / mean,
         rss,
+        device,
         wall,
         log,
     )
 
 
-def run_ours(args: Args, work: Path, common: list[str]) -> Side:
+def run_ours(args: Args, work: Path, common: list[str], timeout: float = math.inf) -> Side:
     """Our run.py, its runs and caches in the temporary folder (nothing written to the project)."""
     log = work / "ours.log"
-    command = [
-        sys.executable,
-        "-u",
-        str(ROOT / "run.py"),
-        "--data",
-        args.train,
-        "--valid_data",
-        args.valid,
-    ]
-    command += [
-        *common,
-        "--save_every",
-        "0",
-        "--runs_dir",
-        str(work / "runs"),
-        "--run_name",
-        "ours",
-    ]
-    command += ["--dir_path", str(work / "cache")]
-    wall, rss = run_logged(command, ROOT, log, dict(os.environ))
+    flags = ["--data", args.train, "--valid_data", args.valid, *common, "--save_every", "0"]
+    flags += ["--runs_dir", str(work / "runs"), "--run_name", "ours"]
+    flags += ["--dir_path", str(work / "cache")]
+    wall, rss, device = run_logged(
+        str(ROOT / "run.py"), flags, ROOT, log, dict(os.environ), timeout
+    )
     lines = [
         json.loads(x) for x in (work / "runs" / "ours" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -214,9 +259,8 @@ def run_ours(args: Args, work: Path, common: list[str]) -> Side:
     # tokens of every timed one
     tokens = sum(x["perf/tokens_per_s"] * x["perf/seconds"] for x in timed)
     mean = statistics.mean(seconds)
-    return Side(
-        "ours", validation, mean, statistics.median(seconds), tokens / sum(seconds), rss, wall, log
-    )
+    median = statistics.median(seconds)
+    return Side("ours", validation, mean, median, tokens / sum(seconds), rss, device, wall, log)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,11 +269,12 @@ def run_ours(args: Args, work: Path, common: list[str]) -> Side:
 
 def describe(side: Side) -> str:
     curve = "  ".join(f"{g}: {v:.4f}" for g, v in sorted(side.validation.items()))
+    device = "" if side.peak_device_gib is None else f"  peak device {side.peak_device_gib:.2f} GiB"
     return (
         f"{side.name:9} {side.tokens_per_second:>10,.0f} tokens/s"
         f"  {side.seconds_per_generation:.4f} s/generation"
         f" (median {side.median_seconds_per_generation:.4f})"
-        f"  peak RSS {side.peak_rss_gib:.2f} GiB"
+        f"  peak RSS {side.peak_rss_gib:.2f} GiB{device}"
         f"  wall {side.wall_seconds:.0f} s\n"
         f"{'':9} validation bits/byte by generation: {curve}"
     )
@@ -246,9 +291,21 @@ def write_jsonl(path: str, side: Side, args: Args) -> None:
             "perf/median_seconds_per_generation": side.median_seconds_per_generation,
             "perf/tokens_per_s": side.tokens_per_second,
             "perf/peak_rss_gib": side.peak_rss_gib,
+            "perf/peak_device_gib": side.peak_device_gib,
             "perf/wall_seconds": side.wall_seconds,
         }
         f.write(json.dumps(tag | {"summary": True} | summary) + "\n")
+
+
+def common_flags(args: Args, validation_batch: int = VALIDATION_BATCH) -> list[str]:
+    """The flags both scripts get."""
+    common = [
+        "--validation_batch_size",
+        str(validation_batch),
+        "--num_epochs",
+        str(args.num_epochs),
+    ]
+    return common + ["--validate_every", str(args.validate_every), *shlex.split(args.flags)]
 
 
 def main(args: Args) -> None:
@@ -256,23 +313,19 @@ def main(args: Args) -> None:
         if not Path(path).is_file():
             raise SystemExit(f"error: {path}: no such file")
     population_and_tokens(shlex.split(args.flags))  # fail now, not after upstream's run
-    if args.only in ("both", "upstream"):
-        upstream_source(args)
-    common = [
-        "--validation_batch_size",
-        str(VALIDATION_BATCH),
-        "--num_epochs",
-        str(args.num_epochs),
-    ]
-    common += ["--validate_every", str(args.validate_every), *shlex.split(args.flags)]
     work = Path(tempfile.mkdtemp(prefix="side-by-side-"))
     runners = {"upstream": run_upstream, "ours": run_ours}
-    for name, runner in runners.items():
-        if args.only in ("both", name):
-            side = runner(args, work, common)  # a failure exits, keeping the folder and its logs
-            print(describe(side), flush=True)
-            if args.jsonl:
-                write_jsonl(args.jsonl, side, args)
+    try:
+        if args.only in ("both", "upstream"):
+            upstream_source(args.nano_egg, args.revision)
+        for name, runner in runners.items():
+            if args.only in ("both", name):
+                side = runner(args, work, common_flags(args))
+                print(describe(side), flush=True)
+                if args.jsonl:
+                    write_jsonl(args.jsonl, side, args)
+    except Failed as failed:  # the folder and its logs are kept
+        raise SystemExit(f"error: {failed}") from None
     if args.keep:
         print(f"kept {work}")
     else:

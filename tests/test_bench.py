@@ -163,6 +163,70 @@ def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
     assert hlo.modeled_seconds(kernels, roofline) == pytest.approx(want)
 
 
+THUNKS = """\
+000: kCommandBuffer [source       | next=002 (1)]
+    001: kCustomKernel [source | sink] loop_fusion_1 grid: [4, 1, 1] threads: [128, 1, 1]
+002: kWhile         [prev=000 (1) | sink        ]
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source       | next=005 (1)]
+        004: kCustomKernel [source | sink] int8_product grid: [8, 2, 2] threads: [128, 1, 1]
+    005: kDynamicSliceFusion [prev=000 (1) | sink] params=1, results=1
+        006: kCopy [source | sink] kCopy
+"""
+THUNK_NAMES = {1: "loop_fusion.1", 2: "while.7", 3: "compare.2", 4: "pallas_call.3", 6: "copy.9"}
+LOOP = """\
+ENTRY %main (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  ROOT %while.7 = s32[] while(%p), backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_launches_are_read_from_xlas_thunk_sequence():
+    """A graph before a loop of 5 trips whose body is a graph and an in-place copy that no graph
+    holds: 6 graphs launched, the kernels inside them recorded (by their HLO names, through the
+    thunk ids), the loop's condition and the copy on their own; each kernel's grid. The cost model
+    charges a recorded kernel in_graph, one on its own a launch, and a launch a graph."""
+    metadata = "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n    thunk_id: {i}\n'
+        "  }\n}\n"
+        for i, name in THUNK_NAMES.items()
+    )
+    launched = hlo.launches(THUNKS, metadata, LOOP)
+    assert launched.graphs == 1 + 5
+    assert launched.captured == {"loop_fusion.1", "pallas_call.3"}
+    assert launched.grids["pallas_call.3"] == (8, 2, 2) and launched.grids["loop_fusion.1"][0] == 4
+    kernels = [
+        hlo.Kernel("loop_fusion.1", "fusion", 0, 1, 2000, 0, ""),
+        hlo.Kernel("pallas_call.3", "pallas", 1, 5, 1000, 10**6, ""),
+        hlo.Kernel("copy.9", "copy", 1, 5, 100, 0, ""),
+    ]
+    roofline = hlo.Roofline("test", hbm=1e9, int8_macs=1e10, launch=3e-6, in_graph=1e-6)
+    want = (2e-6 + 1e-6) + 5 * (1e-4 + 1e-6) + 5 * (1e-7 + 3e-6) + 6 * 3e-6
+    assert hlo.modeled_seconds(kernels, roofline, launched) == pytest.approx(want)
+
+
+def test_each_byte_of_the_h100_program_is_one_command_buffer_and_with_while_the_whole_step():
+    """The layers' states carried each in its own buffer: no copy cuts a byte's kernels apart, so
+    XLA records every kernel that runs for every byte in one command buffer a byte; with its loops
+    recorded too (WHILE) the whole generation is one graph."""
+    args = run.parse_args(
+        [*TINY, "--n_embd", "32", "--parallel_generations_per_gpu", "64", "--target", "h100"],
+        bench.Args,
+    )
+    target = bench.compile_target(args, "train")
+    assert [k for k in target.kernels if k.kind == "pallas"]  # the product kernel's program
+    every_byte = [k for k in target.kernels if k.depth >= bench.BYTES_DEPTH]
+    assert every_byte and all(k.name in target.launched.captured for k in every_byte)
+    bytes_read = target.cfg.tokens  # a member's bytes a generation, each one graph
+    assert bytes_read <= target.launched.graphs <= bytes_read + 3 * target.cfg.segments + 3
+    whole = bench.compile_target(args, "train", bench.COMMAND_BUFFERS["loops recorded (WHILE)"])
+    assert whole.launched.graphs == 1
+    assert all(k.name in whole.launched.captured for k in whole.kernels)
+
+
 def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
     cfg = run.make_config(run.parse_args(["--parallel_generations_per_gpu", "32768"]))
     training, inference = bench.roofline_bytes(cfg)
@@ -218,11 +282,11 @@ def test_a_product_kernel_is_costed_by_the_layer_it_reads():
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def program(x, w, a, b, shifts):
-        options = dict(x_layered=False, interpret=False, arithmetic=run.ARITHMETIC)
+        options = dict(interpret=False, arithmetic=run.ARITHMETIC)
         return kernel.product(x, w, a, b, shifts, jnp.int32(1), None, None, **options)
 
     operands = (
-        shaped(1, 1, pairs, 2 * n),
+        shaped(1, pairs, 2 * n),
         shaped(2, layers, 1, m, n),
         shaped(2, layers, 1, pairs, m),
         shaped(2, layers, 1, pairs, n),

@@ -4,6 +4,8 @@ kernel by kernel, and one profiled generation beside the cost model."""
 import gzip
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -50,12 +52,76 @@ def test_kernel_times_sum_the_device_events_of_a_perfetto_trace(tmp_path):
     assert lines[-1].split()[-2:] == ["33.0", "24.0"]
 
 
-def test_one_generation_is_profiled_beside_the_cost_model_of_its_kernels(tmp_path):
-    flags = "--n_embd 8 --n_layer 1 --parallel_generations_per_gpu 16 --group_size 4".split()
-    measured, modeled = gpu_check.profile_generation(flags, "cpu", tmp_path)
+def test_each_variant_of_the_step_is_timed_beside_the_model_and_one_generation_profiled(tmp_path):
+    """(c) on the CPU: a row a variant with its numbers (the kernel's tiles as they were and as
+    they are, in Pallas's interpreter; XLA's products without command buffers, an option the CPU
+    ignores), then the profiled generation's table (a CPU has no device events: its total only)."""
+    chosen = [
+        "kernel, tiles before, graphs",
+        "kernel, tiles now, graphs",
+        "XLA's products, no graphs",
+    ]
+    variants = {name: gpu_check.VARIANTS[name] for name in chosen}
+    (config,) = gpu_check.QUICK_CONFIGURATIONS
+    lines = gpu_check.step_variants(config, tmp_path, gpu_check.Clock(600), 0.05, variants)
+    rows = {line[:36].strip(): line[36:].split() for line in lines[2:5]}
+    assert list(rows) == chosen
+    for compile_seconds, ms, _tokens, modeled, graphs, alone in rows.values():
+        assert float(compile_seconds) > 0 and float(ms) > 0 and float(modeled) > 0
+        assert graphs == "?" and int(alone.replace(",", "")) > 0  # no thunks dumped on a CPU
+    # the tiles as they were: fewer, larger programs (the interpreter's loops count them)
+    assert int(rows[chosen[0]][-1].replace(",", "")) < int(rows[chosen[1]][-1].replace(",", ""))
+    assert lines[5] == "-- kernel, tiles now, graphs: one generation, kernel by kernel"
+    assert lines[-1].split()[:3] == ["all", "kernels", "0.0"]
     assert list(tmp_path.glob("trace-0/**/perfetto_trace.json.gz"))
-    assert measured == {}  # a CPU has no device events; a GPU's kernels are listed by name
-    assert modeled and all(us > 0 for us in modeled.values())
+
+
+FAKE_NANO_EGG = """
+import argparse, os
+import numpy as np
+parser = argparse.ArgumentParser()
+for name in ("num_epochs", "validate_every", "parallel_generations_per_gpu", "tokens_per_update"):
+    parser.add_argument("--" + name, type=int)
+given, _ = parser.parse_known_args()
+cached = os.path.join(os.path.dirname(os.path.realpath(__file__)), "cached_files")
+assert np.load(os.path.join(cached, "minipile_train.npy")).size > 0
+rate = given.parallel_generations_per_gpu * given.tokens_per_update / 0.5
+for epoch in range(given.num_epochs):
+    if epoch % given.validate_every == given.validate_every - 1:
+        print("validation score", 5.25, "validation throughput is", 1.0, "validation time is", 1.0)
+    if epoch % 10 == 0:
+        print(f"\tgenerate time: 0.4; update time: 0.1; throughput: {rate}")
+"""
+
+
+def test_nano_egg_and_egg_jax_run_on_the_same_bytes_and_flags_side_by_side(tmp_path):
+    """(a) with a stand-in for nano-egg's run.py (a clone of a repository holding it): both sides
+    run on the corpus made here with the same flags, each row its numbers, then the ratios."""
+    clone = tmp_path / "nano-egg"
+    clone.mkdir()
+    (clone / "run.py").write_text(FAKE_NANO_EGG)
+    git = ["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "run.py"], ["commit", "-q", "-m", "run.py"]):
+        subprocess.run([*git, *command], check=True)
+    args = gpu_check.Args(platform="cpu", nano_egg=str(clone), quick=True)
+    lines = gpu_check.beside_nano_egg(args, tmp_path, gpu_check.Clock(600))
+    (config,) = gpu_check.QUICK_CONFIGURATIONS
+    assert lines[0].startswith(f"== (a) {config.name}: {' '.join(config.flags)} --seed 0;")
+    nano, ours = lines[2].split(), lines[3].split()
+    assert nano[:2] == ["nano-egg", "1,024"] and nano[3:5] == ["-", "5.2500"]  # 64 x 8 / 0.5 s
+    assert ours[0] == "egg-jax" and 0 < float(ours[4]) < 8
+    assert lines[4].startswith("egg-jax / nano-egg: ") and "x the tokens/s, " in lines[4]
+    train, valid = (tmp_path / f"side-{split}.bin" for split in ("train", "valid"))
+    assert valid.stat().st_size == gpu_check.VALID_BYTES >> 4 and train.stat().st_size > 0
+
+
+def test_without_nano_egg_only_egg_jax_runs_and_the_full_rank_part_compares_bits(tmp_path, capsys):
+    """(a) without --nano_egg: egg-jax's row alone; (d): full rank on the platform and the CPU."""
+    args = gpu_check.Args(platform="cpu", quick=True, parts=("a", "d"), out=str(tmp_path))
+    assert gpu_check.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^egg-jax +[\d,]+ ", out, re.M) and "nano-egg" not in out.split("== (a)")[1]
+    assert re.search(r"^\(d\) --rank 0 \(full rank\): .*, identical$", out, re.M)
 
 
 def test_the_models_product_kernels_go_by_the_name_a_trace_gives_them():
@@ -83,9 +149,9 @@ def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
     calls = []
 
     # every second call (the compiled side) is off by one
-    def faulty(*operands, x_layered, interpret):
+    def faulty(*operands, interpret):
         calls.append(interpret)
-        options = dict(x_layered=x_layered, interpret=True, arithmetic=run.ARITHMETIC)
+        options = dict(interpret=True, arithmetic=run.ARITHMETIC)
         out = kernel.product(*operands, **options)
         return out ^ 1 if len(calls) % 2 == 0 else out
 
@@ -115,3 +181,25 @@ def test_xla_int8_products_are_compared_with_numpy_shape_by_shape():
     assert lines[-1] == "XLA's int8 products on cpu against numpy: 3 shapes, 2 DIFFER"
     assert lines[0].startswith("  1 x (16, 16) x (16, 2): 32 of 32 outputs differ, by up to ")
     assert lines[1].startswith("  4 x (32, 16) x (16, 2): ")
+
+
+def test_upstream_gets_stand_ins_for_the_imports_it_does_not_use_where_they_are_missing(
+    tmp_path, monkeypatch
+):
+    """A GPU image without wandb: upstream imports a stand-in that refuses to be used; datasets,
+    installed here, is left as it is."""
+    side_by_side = sys.modules["side_by_side"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name)
+    )
+    env = side_by_side.upstream_environment(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "stand-ins").iterdir()) == ["wandb.py"]
+    used = subprocess.run(
+        [sys.executable, "-c", "import wandb; wandb.init(project='x')"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert used.returncode == 1 and "no wandb here" in used.stderr
+    assert env["WANDB_MODE"] == "disabled" and env["HF_HUB_OFFLINE"] == "1"

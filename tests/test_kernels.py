@@ -47,7 +47,7 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
     gains = gains.astype(np.int8)
     add = rng.integers(-127, 128, x.shape[:-1] + (M,)).astype(np.int8)
     got = kernel.product(
-        x.reshape(1, 2, -1, x.shape[3] * N),
+        x.reshape(2, -1, x.shape[3] * N),
         w,
         a if noisy else None,
         b if noisy else None,
@@ -55,7 +55,6 @@ def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_comp
         jnp.int32(layer),
         gains.reshape(LAYERS, 2, gains.shape[3], -1) if gain else None,
         add.reshape(2, -1, x.shape[3] * M) if residual else None,
-        x_layered=False,
         interpret=True,
         arithmetic=run.ARITHMETIC,
     )
@@ -73,12 +72,12 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
 
     def call(x):
         gain = jnp.ones((LAYERS, 2, PAIRS, SIDES * N), jnp.int8)
-        shifts, options = jnp.array([2, 3], jnp.int32), dict(x_layered=False, interpret=True)
+        shifts, options = jnp.array([2, 3], jnp.int32), dict(interpret=True)
         return kernel.product(
             x, w, a, b, shifts, jnp.int32(0), gain, None, **options, arithmetic=run.ARITHMETIC
         )
 
-    jaxpr = jax.make_jaxpr(call)(x.reshape(1, 2, -1, SIDES * N))
+    jaxpr = jax.make_jaxpr(call)(x.reshape(2, -1, SIDES * N))
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     body = call.params["jaxpr"]
 
