@@ -321,9 +321,7 @@ COMMAND_BUFFERS = {
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE"
     },
 }
-# the scans around a kernel that runs every byte, every byte and layer
-BYTES_DEPTH, LAYERS_DEPTH = 2, 3
-LOOPS = ("once", "per segment", "per byte", "per byte and layer")
+LOOPS = ("once", "per segment", "per byte", "per byte and layer")  # loop_of's answers, in words
 
 
 def target_mesh(target: str, devices: int) -> jax.sharding.Mesh:
@@ -472,13 +470,25 @@ def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
     return weights + activations + factors / 2 + vectors, weights + activations
 
 
+def loop_of(k: hlo.Kernel, cfg: run.Config) -> int:
+    """The loop a kernel runs in, an index of LOOPS, by how often it runs a generation: a member
+    reads cfg.tokens bytes in cfg.segments segments, so a kernel that runs every byte runs more
+    often than there are segments (XLA may split a loop of bytes in two: their runs add up to the
+    bytes), one that runs every byte and layer (the layers scanned, as XLA's products have them)
+    more often than there are bytes. (JAX's name stack would say which scans hold a kernel, but
+    XLA restructures loops: over 8 GPUs it leaves no loop of segments.)"""
+    if k.runs > cfg.tokens:
+        return 3
+    return 2 if k.runs > cfg.segments else int(k.runs > 1)
+
+
 def describe_program(
     kernels: list[hlo.Kernel], cfg: run.Config, tokens_per_call: int, launched=None
 ) -> dict:
     """What a compiled generation's kernels add up to (the figures target_report prints), with
     their launches where known."""
     members = cfg.population // cfg.devices * cfg.replicas
-    every_byte = [k for k in kernels if k.depth >= BYTES_DEPTH]
+    every_byte = [k for k in kernels if loop_of(k, cfg) >= 2]
     kinds = {}
     for k in kernels:
         kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
@@ -489,7 +499,7 @@ def describe_program(
         "graphs": launched.graphs if launched else None,
         "kinds": kinds,
         "per_token": sum(k.runs for k in every_byte) / cfg.tokens,
-        "per_layer": sum(k.runs for k in kernels if k.depth >= LAYERS_DEPTH)
+        "per_layer": sum(k.runs for k in kernels if loop_of(k, cfg) == 3)
         / (cfg.tokens * cfg.n_layer),
         "bytes_per_token_member": sum(k.runs * k.bytes for k in every_byte)
         / (cfg.tokens * members),
@@ -509,7 +519,7 @@ def launches_text(figures: dict) -> str:
     )
 
 
-def gemms_text(kernels: list[hlo.Kernel], launched: hlo.Launches | None) -> str:
+def gemms_text(kernels: list[hlo.Kernel], cfg: run.Config, launched: hlo.Launches | None) -> str:
     """Every distinct product (XLA's GEMMs, the product kernel's calls): its shapes, the loop it
     runs in and, where the launches are known, the blocks (CTAs) of its grid and their number for
     each of the GPU's SMs."""
@@ -518,7 +528,7 @@ def gemms_text(kernels: list[hlo.Kernel], launched: hlo.Launches | None) -> str:
     for k in kernels:
         if k.kind in ("gemm", "pallas"):
             ctas = math.prod(grids[k.name]) if k.name in grids else None
-            found[(k.shapes, LOOPS[min(k.depth, 3)])] = ctas
+            found[(k.shapes, LOOPS[loop_of(k, cfg)])] = ctas
     return "; ".join(
         f"{shapes} ({loop}"
         + ("" if ctas is None else f"; {ctas:,} CTAs, {ctas / kernel.SMS:.1f} an SM")
@@ -551,7 +561,7 @@ def print_target_report(
         f"kernels per token: {t['per_token']:.0f} {in_layers}",
         f"launches per generation: {graphs}",
         f"products (XLA's GEMMs and the product kernel's; an H100 has {kernel.SMS} SMs): "
-        + gemms_text(kernels, figures["launched"]),
+        + gemms_text(kernels, cfg, figures["launched"]),
         "collectives per generation: "
         + (
             ", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"

@@ -147,16 +147,12 @@ class Kernel(NamedTuple):
     name: str
     # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
     kind: str
-    depth: (
-        int  # the scans of the traced program around it (JAX's name stack: each scan a while/body)
-    )
     runs: int  # times it runs per call: the trip counts of the loops around it
     # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
     bytes: int
     macs: int  # multiply-accumulates per run (a gemm's dot; a Pallas kernel's declared flops / 2)
-    shapes: (
-        str  # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
-    )
+    # a product's operands and result, e.g. "s8[1024,256] x s8[256,256] -> s32[1024,256]"
+    shapes: str
 
 
 class Roofline(NamedTuple):
@@ -225,14 +221,11 @@ def signature(operands, results) -> tuple:
     return tuple(tuple(dims) for dims in operands), tuple(tuple(dims) for dims in results)
 
 
-def trip_count(x: Instruction) -> int:
-    """A while loop's known trip count (1 where XLA does not know it)."""
-    return int((re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes) or [0, 1])[1])
-
-
-def scan_depth(x: Instruction) -> int:
-    path = (re.search(r'op_name="([^"]*)"', x.attributes) or [None, ""])[1]
-    return path.count("/while/body") + path.count("/while/cond")
+def trip_count(x: Instruction) -> int | None:
+    """A while loop's known trip count (None where XLA does not know it: then it runs the loop's
+    condition every trip and its host reads the answer)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', x.attributes)
+    return int(known[1]) if known else None
 
 
 def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
@@ -248,27 +241,27 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
     def walk(computation: str, runs: int) -> None:
         shapes = {x.name: x.shapes for x in found[computation]}
         for x in found[computation]:
-            depth = scan_depth(x)
-            if x.opcode == "while":
+            if x.opcode == "while":  # with a known trip count XLA runs no condition
                 trips = trip_count(x)
-                walk(called(x, "body"), runs * trips)
-                walk(called(x, "condition"), runs * trips)
+                walk(called(x, "body"), runs * (trips or 1))
+                if trips is None:
+                    walk(called(x, "condition"), runs)
             elif x.opcode == "call":
                 walk(called(x, "to_apply"), runs)
             elif x.opcode == "fusion":
                 kind, size, macs, gemm = fusion_cost(found[called(x, "calls")], x.shapes)
-                kernels.append(Kernel(x.name, kind, depth, runs, size, macs, gemm))
+                kernels.append(Kernel(x.name, kind, runs, size, macs, gemm))
             elif x.opcode == "custom-call" and TRITON in x.attributes:
                 ins = [shapes[o][0] for o in x.operands]
                 key = signature([dims for _, dims in ins], [dims for _, dims in x.shapes])
                 size, macs = (pallas_costs or {}).get(key, (0, 0))
                 gemm = f"{' x '.join(map(shape_text, ins[1:3]))} -> {shape_text(x.shapes[0])}"
-                kernels.append(Kernel(x.name, "pallas", depth, runs, size, macs, gemm))
+                kernels.append(Kernel(x.name, "pallas", runs, size, macs, gemm))
             elif x.opcode not in NO_KERNEL:
                 collective = x.opcode.removesuffix("-start") in COLLECTIVE_OPS
                 kind = "collective" if collective else "copy" if "copy" in x.opcode else x.opcode
                 size = hlo_bytes(x.shapes) + sum(hlo_bytes(shapes.get(o, [])) for o in x.operands)
-                kernels.append(Kernel(x.name, kind, depth, runs, size, 0, ""))
+                kernels.append(Kernel(x.name, kind, runs, size, 0, ""))
 
     walk(entry, 1)
     return kernels
@@ -297,7 +290,7 @@ def launches(sequence: str, metadata: str, hlo: str) -> Launches:
     """The Launches of a program from XLA's dumps: its thunk sequence after the thunk passes, its
     thunk metadata and its compiled HLO (for the loops' trip counts)."""
     names = {int(i): name for name, i in ANNOTATION.findall(metadata)}
-    trips = {x.name: trip_count(x) for body in computations(hlo)[0].values() for x in body}
+    trips = {x.name: trip_count(x) or 1 for body in computations(hlo)[0].values() for x in body}
     graphs, captured, grids = 0, set(), {}
     around = []  # (indent, kind, runs) of the thunks that hold this line's
     for line in sequence.splitlines():

@@ -139,8 +139,7 @@ def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast
 def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
     """A scan of 5 steps around one int8 product (64 x 32 by 32 x 16) and an elementwise step: the
     product runs 5 times, reads both operands and writes its int32 result, and costs 64 x 32 x 16
-    multiply-accumulates, one scan deep; the cost model charges each kernel its larger term plus a
-    launch."""
+    multiply-accumulates; the cost model charges each kernel its larger term plus a launch."""
     sharding = jax.sharding.SingleDeviceSharding(bench.target_mesh("h100", 1).devices.flat[0])
 
     def program(x, w):
@@ -155,7 +154,7 @@ def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
     with bench.without_compilation_cache():
         kernels = hlo.gpu_kernels(jax.jit(program).lower(x, w).compile().as_text())
     (gemm,) = [k for k in kernels if k.kind == "gemm"]
-    assert (gemm.runs, gemm.depth, gemm.macs) == (5, 1, 64 * 32 * 64)
+    assert (gemm.runs, gemm.macs) == (5, 64 * 32 * 64)
     assert gemm.bytes == 64 * 32 + 32 * 64 + 64 * 64 * 4
     assert gemm.shapes.endswith("-> s32[64,64]")
     roofline = hlo.Roofline("test", hbm=1e9, int8_macs=1e10, launch=1e-6)
@@ -199,32 +198,13 @@ def test_launches_are_read_from_xlas_thunk_sequence():
     assert launched.captured == {"loop_fusion.1", "pallas_call.3"}
     assert launched.grids["pallas_call.3"] == (8, 2, 2) and launched.grids["loop_fusion.1"][0] == 4
     kernels = [
-        hlo.Kernel("loop_fusion.1", "fusion", 0, 1, 2000, 0, ""),
-        hlo.Kernel("pallas_call.3", "pallas", 1, 5, 1000, 10**6, ""),
-        hlo.Kernel("copy.9", "copy", 1, 5, 100, 0, ""),
+        hlo.Kernel("loop_fusion.1", "fusion", 1, 2000, 0, ""),
+        hlo.Kernel("pallas_call.3", "pallas", 5, 1000, 10**6, ""),
+        hlo.Kernel("copy.9", "copy", 5, 100, 0, ""),
     ]
     roofline = hlo.Roofline("test", hbm=1e9, int8_macs=1e10, launch=3e-6, in_graph=1e-6)
     want = (2e-6 + 1e-6) + 5 * (1e-4 + 1e-6) + 5 * (1e-7 + 3e-6) + 6 * 3e-6
     assert hlo.modeled_seconds(kernels, roofline, launched) == pytest.approx(want)
-
-
-def test_each_byte_of_the_h100_program_is_one_command_buffer_and_with_while_the_whole_step():
-    """The layers' states carried each in its own buffer: no copy cuts a byte's kernels apart, so
-    XLA records every kernel that runs for every byte in one command buffer a byte; with its loops
-    recorded too (WHILE) the whole generation is one graph."""
-    args = run.parse_args(
-        [*TINY, "--n_embd", "32", "--parallel_generations_per_gpu", "64", "--target", "h100"],
-        bench.Args,
-    )
-    target = bench.compile_target(args, "train")
-    assert [k for k in target.kernels if k.kind == "pallas"]  # the product kernel's program
-    every_byte = [k for k in target.kernels if k.depth >= bench.BYTES_DEPTH]
-    assert every_byte and all(k.name in target.launched.captured for k in every_byte)
-    bytes_read = target.cfg.tokens  # a member's bytes a generation, each one graph
-    assert bytes_read <= target.launched.graphs <= bytes_read + 3 * target.cfg.segments + 3
-    whole = bench.compile_target(args, "train", bench.COMMAND_BUFFERS["loops recorded (WHILE)"])
-    assert whole.launched.graphs == 1
-    assert all(k.name in whole.launched.captured for k in whole.kernels)
 
 
 def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
@@ -233,7 +213,9 @@ def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
     assert (round(training), round(inference)) == (55_573, 34_964)
 
 
-def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
+def test_target_report_gives_the_compiled_program_its_launches_and_a_modeled_speed(capsys):
+    """The report of a small model's program for an H100: its figures, the product kernel's calls
+    costed as they declare, and its launches as XLA's dumped thunk sequence says."""
     args = run.parse_args([*TINY, *SMALL, "--target", "h100"], bench.Args)
     figures = bench.target_report(args)
     out = capsys.readouterr().out
@@ -250,13 +232,26 @@ def test_target_report_gives_the_compiled_program_and_a_modeled_speed(capsys):
     assert train["per_token"] > 0 == train["per_layer"] and "(the layers unrolled)" in out
     assert [k for k in figures["kernels"]["training"] if k.kind == "pallas" and k.bytes and k.macs]
     assert 0 < train["tokens_per_s"] < figures["inference"]["tokens_per_s"] * 1.5
+    # each layer's state carried in its own buffer: no copy cuts a byte's kernels apart, so XLA
+    # records every kernel that runs every byte in one command buffer a byte (a loop of a known
+    # trip count runs no condition); with its loops recorded too (WHILE) the whole step is one
+    cfg = figures["cfg"]
+    every_byte = [k for k in figures["kernels"]["training"] if bench.loop_of(k, cfg) >= 2]
+    assert every_byte and all(k.name in figures["launched"].captured for k in every_byte)
+    assert cfg.tokens <= train["graphs"] <= cfg.tokens + 3 * cfg.segments + 3
+    graphs = figures["command buffers"]
+    assert graphs["loops recorded (WHILE)"].startswith("1 command buffer (CUDA graphs) launched, ")
+    assert graphs["loops recorded (WHILE)"].endswith(", 0 on their own")
+    assert re.search(r"^launches per generation: XLA's default: [\d,]+ command buffers", out, re.M)
 
 
-def test_kernels_are_placed_by_the_scans_around_them():
-    """Two scans deep (a member's segments, each segment's bytes) runs for every byte, three deep
-    (the layers, scanned where XLA runs the products) for every byte and layer: read on the CPU's
-    own compiled step, whose loops XLA keeps as the trace made them."""
-    args = run.parse_args(TINY)  # the products XLA's, as on every CPU
+def test_kernels_are_placed_in_their_loops_by_how_often_they_run():
+    """A kernel that runs more often than there are segments runs every byte; more often than there
+    are bytes, every byte and layer (the layers scanned, where XLA runs the products): read on the
+    CPU's own compiled step, and on the program of 8 H100s, where XLA splits the loop of bytes and
+    leaves none of segments (each layer's 5 products still run every byte)."""
+    # the products XLA's, as on every CPU; 2 segments of 8 bytes
+    args = run.parse_args([*TINY, "--tokens_per_update", "16", "--segments", "2"])
     mesh = cluster.population_mesh(run.POP)
     cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
@@ -269,6 +264,13 @@ def test_kernels_are_placed_by_the_scans_around_them():
     text = run.make_generation_step(cfg, mesh).lower(*inputs).compile().as_text()
     figures = bench.describe_program(hlo.gpu_kernels(text), cfg, 1)
     assert figures["per_token"] > figures["per_layer"] * cfg.n_layer > 0
+    # segments of 13 and 12 bytes, four of each: two loops of bytes, 52 and 48 trips a generation
+    flags = [*TINY, "--n_embd", "32", "--n_layer", "1", "--target", "h100", "--target_devices", "8"]
+    flags += ["--parallel_generations_per_gpu", "32", "--tokens_per_update", "100"]
+    target = bench.compile_target(run.parse_args([*flags, "--segments", "8"], bench.Args), "train")
+    assert {k.runs for k in target.kernels if k.kind == "pallas"} == {48, 52}
+    figures = bench.describe_program(target.kernels, target.cfg, 1)
+    assert figures["per_layer"] == 0 and figures["per_token"] >= 6  # 6 product kernel calls
 
 
 def test_a_product_kernel_is_costed_by_the_layer_it_reads():
