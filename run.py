@@ -943,41 +943,9 @@ def normalised_bounds(cfg: Config) -> dict:
     }
 
 
-def centered_rank_scores(diff, pairs: int, axis):
-    """OpenAI ES's centered ranks, of the pairs' differences: the k-th smallest of all n of them
-    (every segment's and device's) scores floor(254 k / (n - 1)) - 127, -127 to 127; equal
-    differences rank in the order of their pairs."""
-    every = diff if axis is None else jax.lax.all_gather(diff, axis, axis=diff.ndim - 1, tiled=True)
-    order = jnp.argsort(every.reshape(-1), stable=True)
-    rank = jnp.zeros(order.shape, i32).at[order].set(jnp.arange(order.size, dtype=i32))
-    scores = (2 * INT8_MAX * rank // max(order.size - 1, 1) - INT8_MAX).reshape(every.shape)
-    if axis is not None:  # this device's pairs
-        local = diff.shape[-1]
-        scores = jax.lax.dynamic_slice_in_dim(scores, jax.lax.axis_index(axis) * local, local, -1)
-    return scores.astype(jnp.int8)
-
-
-def centered_rank_rms() -> float:
-    """The root mean square of floor(254 u) - 127 for u uniform in [0, 1): of -127 .. 126."""
-    return math.sqrt(sum(k * k for k in range(-INT8_MAX, INT8_MAX)) / (2 * INT8_MAX))
-
-
-def per_segment_scores(diff, pairs: int, axis):
-    """normalised_scores within each segment: a segment's differences over their own mean |d| (the
-    bytes of a segment are one group, harder or easier than another's)."""
-    return jax.vmap(lambda d: normalised_scores(d, pairs // diff.shape[0], axis))(diff)
-
-
 SHAPINGS = {
     "sign": Shaping(sign_scores, 1, lambda: 1.0, lambda cfg: {}),
     "normalised": Shaping(normalised_scores, INT8_MAX, normalised_rms, normalised_bounds),
-    "per_segment": Shaping(per_segment_scores, INT8_MAX, normalised_rms, normalised_bounds),
-    "rank": Shaping(
-        centered_rank_scores,
-        INT8_MAX,
-        centered_rank_rms,
-        lambda cfg: {"254 x rank (centered ranks)": 2 * INT8_MAX * scored_pairs(cfg)},
-    ),
 }
 
 
@@ -1064,15 +1032,6 @@ def momentum_step(z, state, test: Test, cfg: Config):
     return jnp.sign(m) * steps, {"m": jnp.where(steps > 0, 0, m).astype(jnp.int16)}
 
 
-def momentum_keep_step(z, state, test: Test, cfg: Config):
-    """momentum_step, but a move spends only the thresholds' worth it used: m keeps the rest."""
-    moves, _ = momentum_step(z, state, test, cfg)
-    u = standardise(z, u_shift(test.z_std))
-    m = state["m"].astype(i32) - round_shift(state["m"], cfg.momentum_shift) + u
-    spent = moves * (jnp.minimum(test.threshold, INT32_MAX - 1) + 1)
-    return moves, {"m": (m - spent).astype(jnp.int16)}
-
-
 def momentum_spread(z_std: float, cfg: Config) -> float:
     """The null std of m = rho m + u, rho = 1 - 2**-momentum_shift: u's / sqrt(1 - rho**2) (u is
     independent from one generation to the next: every generation draws new noise), u's being Z's
@@ -1095,14 +1054,6 @@ RULES = {
     ),
     "momentum": Rule(
         momentum_step,
-        spread=momentum_spread,
-        reach=lambda z_reach, cfg: INT8_MAX << cfg.momentum_shift,
-        tests="running sum |m|",
-        state={"m": jnp.int16},
-        flags=("momentum_shift", "max_step"),
-    ),
-    "momentum_keep": Rule(
-        momentum_keep_step,
         spread=momentum_spread,
         reach=lambda z_reach, cfg: INT8_MAX << cfg.momentum_shift,
         tests="running sum |m|",

@@ -330,4 +330,4 @@ def cached_baselines(train: np.ndarray, rows: np.ndarray, cache_dir: str) -> dic
 
 
 def describe_baselines(values: dict[str, float]) -> str:
-    return ", ".join(f"{name} {value:.2f}" for name, value in values.items())
+    return ", ".join(f"{name} {value:.3f}" for name, value in values.items())

@@ -204,8 +204,8 @@ def describe_spread(scores: list[float]) -> str:
     if len(scores) == 1:
         return ""
     return (
-        f" (best of {len(scores)} replicas, median {statistics.median(scores):.2f}, "
-        f"worst {max(scores):.2f})"
+        f" (best of {len(scores)} replicas, median {statistics.median(scores):.3f}, "
+        f"worst {max(scores):.3f})"
     )
 
 
