@@ -41,7 +41,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run  # noqa: E402  (run.py's data and validation rows; importing it does nothing)
-from egg import corpus  # noqa: E402
+from egg import cluster, corpus  # noqa: E402
 from egg.flags import check_range  # noqa: E402
 
 
@@ -269,6 +269,7 @@ def train(args: Args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    cluster.select_platform("")  # JAX's choice, without jax[cuda12]'s traceback on a CPU machine
     try:
         args = tyro.cli(Args, args=argv, use_underscores=True)
         check_range(Args, "num_epochs", args.num_epochs)
