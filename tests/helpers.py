@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = os.environ["EGG_TEST_CORPORA"]  # --dir_path of the tests' runs (set by conftest.py)
 
 
-def cli(*flags, cwd=ROOT, env=None, timeout=600):
-    """python run.py FLAGS in a fresh process."""
+def cli(*flags, cwd=ROOT, env=None, timeout=600, script="run.py"):
+    """python run.py FLAGS (or another of the repository's scripts) in a fresh process."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *flags],
+        [sys.executable, str(ROOT / script), *flags],
         cwd=cwd,
         env=env,
         capture_output=True,

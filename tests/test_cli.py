@@ -3,14 +3,12 @@ anything is created; every update rule learning below unigram; JAX's own choice 
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tyro
-from helpers import CACHE, ROOT, TINY, cli, in_process, one_line_error, optimised_env
+from helpers import CACHE, TINY, cli, in_process, one_line_error, optimised_env
 from test_flags import range_cases
 
 import run
@@ -193,13 +191,8 @@ def test_the_platform_is_jaxs_own_choice_and_a_missing_one_is_one_line(tmp_path)
     )
     assert "Traceback" not in result.stderr and "plugin" not in result.stderr
     one_line_error(cli(*flags, "--platform", "cuda", env=env), "JAX cannot start platform cuda")
-    backprop = subprocess.run(  # the float baseline beside it, as quiet
-        [sys.executable, "baselines/backprop.py", *flags, "--batch_size", "2", "--window", "8"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    backprop = cli(  # the float baseline beside it, as quiet
+        *flags, "--batch_size", "2", "--window", "8", env=env, script="baselines/backprop.py"
     )
     assert backprop.returncode == 0, backprop.stderr[-2000:]
     assert "Traceback" not in backprop.stderr and "plugin" not in backprop.stderr
