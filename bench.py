@@ -124,7 +124,7 @@ def make_step(cfg: run.Config, mesh, part: str):
         )
         return params, rule_state, states, jnp.sum(fitness, axis=0), jnp.zeros((), jnp.int32)
 
-    return run.on_population(local, mesh)
+    return run.on_population(local, mesh, cfg)
 
 
 def prepare_kind(

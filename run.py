@@ -251,6 +251,10 @@ ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissa
 # every int8 product sums at least this many terms, zeros padding a shorter one (deepened): a GPU's
 # int8 dot is 32 deep (Hopper's MMA), and XLA's 16-deep ones were wrong on an H200 (docs/gpu.org)
 DOT_DEPTH = 32
+# XLA's options for a program with full-rank noise (--rank 0, compiler_options): its products go to
+# cuBLAS, not to XLA's Triton GEMMs, which summed some of them wrongly on an H200 (JAX 0.11.2;
+# docs/gpu.org). No effect on a CPU.
+FULL_RANK_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
 # --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
 # segments), one below (docs/results.org, "Population")
@@ -1527,12 +1531,17 @@ def update(cfg: Config, params, rule_state, fitness, z_of, thresholds):
     return by_replica(partial(apply_rule, cfg=cfg))(params, rule_state, z, flat_weights, thresholds)
 
 
-def on_population(local, mesh: jax.sharding.Mesh):
+def compiler_options(cfg: Config) -> dict:
+    """XLA's options for a program that perturbs the model: full rank's, or none."""
+    return FULL_RANK_OPTIONS if cfg.rank == 0 else {}
+
+
+def on_population(local, mesh: jax.sharding.Mesh, cfg: Config):
     """A per-device step local(params, rule_state, states, batch, generation, thresholds, seeds,
     sigma_shifts) -> (params, rule_state, states, fitness, moved) as one jitted program over the
     mesh:
     parameters, update rule state, batches and per-replica inputs whole on every device, states and
-    fitness spread over the population; the carried arrays donated."""
+    fitness spread over the population; the carried arrays donated; full rank's XLA options."""
     step = jax.shard_map(
         local,
         mesh=mesh,
@@ -1540,7 +1549,7 @@ def on_population(local, mesh: jax.sharding.Mesh):
         out_specs=(REPLICATED, REPLICATED, SPREAD, SPREAD, REPLICATED),
         check_vma=False,
     )
-    return jax.jit(step, donate_argnums=(0, 1, 2))
+    return jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=compiler_options(cfg))
 
 
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
@@ -1560,7 +1569,7 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
         params, rule_state, moved = update(cfg, params, rule_state, fitness, z_of, thresholds)
         return params, rule_state, states, jnp.sum(fitness, axis=0), moved
 
-    return on_population(local, mesh)
+    return on_population(local, mesh, cfg)
 
 
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):

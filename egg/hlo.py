@@ -32,6 +32,7 @@ NO_KERNEL = {
 }  # fmt: skip
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel compiled for a GPU
+CUBLAS = 'custom_call_target="__cublas'  # a product XLA leaves to cuBLAS (full rank's: run.py)
 
 
 class Instruction(NamedTuple):
@@ -145,7 +146,8 @@ class Kernel(NamedTuple):
     """One kernel of a compiled GPU program, as its HLO shows it."""
 
     name: str
-    # "gemm" (a dot), "fusion", "pallas" (a Pallas kernel), "copy", "collective" or an opcode
+    # "gemm" (a dot, or a call of cuBLAS), "fusion", "pallas" (a Pallas kernel), "copy",
+    # "collective" or an opcode
     kind: str
     runs: int  # times it runs per call: the trip counts of the loops around it
     # read and written per run, from its operands' and results' shapes (a Pallas kernel: declared)
@@ -207,12 +209,26 @@ def fusion_cost(body: list[Instruction], result) -> tuple[str, int, int, str]:
     macs, shapes = 0, ""
     for dot in (x for x in body if x.opcode == "dot"):
         lhs, rhs = (named[o].shapes[0] for o in dot.operands[:2])
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes).group(1)
-        macs += math.prod(dot.shapes[0][1]) * math.prod(
-            lhs[1][int(d)] for d in contracting.split(",") if d
-        )
+        macs += math.prod(dot.shapes[0][1]) * math.prod(product_depths(dot, lhs))
         shapes = f"{shape_text(lhs)} x {shape_text(rhs)} -> {shape_text(dot.shapes[0])}"
     return ("gemm" if macs else "fusion"), total, macs, shapes
+
+
+def is_product(x: Instruction) -> bool:
+    """An XLA product: a dot (alone, or in a fusion: a Triton GEMM), or a call of cuBLAS."""
+    return x.opcode == "dot" or (x.opcode == "custom-call" and CUBLAS in x.attributes)
+
+
+def product_depths(x: Instruction, lhs: tuple[str, tuple[int, ...]]) -> list[int]:
+    """The contracted dims of a product (is_product) whose left operand's shape is `lhs`: a dot
+    states them as lhs_contracting_dims, a cuBLAS call in its backend config."""
+    if x.opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", x.attributes).group(1)
+        dims = [int(d) for d in contracting.split(",") if d]
+    else:
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', x.attributes).group(1)
+        dims = [int(d) for d in re.findall(r"\d+", found)]
+    return [lhs[1][d] for d in dims]
 
 
 def signature(operands, results) -> tuple:
@@ -257,6 +273,12 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
                 size, macs = (pallas_costs or {}).get(key, (0, 0))
                 gemm = f"{' x '.join(map(shape_text, ins[1:3]))} -> {shape_text(x.shapes[0])}"
                 kernels.append(Kernel(x.name, "pallas", runs, size, macs, gemm))
+            elif is_product(x):
+                lhs, rhs = (shapes[o][0] for o in x.operands[:2])
+                macs = math.prod(x.shapes[0][1]) * math.prod(product_depths(x, lhs))
+                size = hlo_bytes([lhs, rhs, x.shapes[0]])
+                gemm = f"{shape_text(lhs)} x {shape_text(rhs)} -> {shape_text(x.shapes[0])}"
+                kernels.append(Kernel(x.name, "gemm", runs, size, macs, gemm))
             elif x.opcode not in NO_KERNEL:
                 collective = x.opcode.removesuffix("-start") in COLLECTIVE_OPS
                 kind = "collective" if collective else "copy" if "copy" in x.opcode else x.opcode

@@ -17,9 +17,10 @@ what it measured), each part skipped with one line where --budget has too little
     command buffers; then one generation of today's program profiled kernel by kernel (JAX's
     profiler) beside the model's time for each kernel;
 (d) full-rank ES (--rank 0), the same 20 generations on the GPU and on the CPU: the same bits;
-(e) the rest: the tests whose arithmetic runs on the device; the product kernel as compiled against
-    the same kernel in Pallas's interpreter; XLA's int8 products against numpy's; the same low-rank
-    training on the GPU (the kernel's products, then XLA's) and on the CPU: the same bits.
+(e) the rest: the product kernel as compiled against the same kernel in Pallas's interpreter;
+    XLA's int8 products against numpy's; the same low-rank training on the GPU (the kernel's
+    products, then XLA's) and on the CPU: the same bits; then the tests whose arithmetic runs on the
+    device, for what the budget has left.
 
     python scripts/gpu_check.py --nano_egg NANO_EGG     # on the GPU machine, from the repository
     python scripts/gpu_check.py --platform cpu --quick  # its CPU part (what the tests run)
@@ -54,10 +55,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # side_by_side.py, beside this script
+ROOT = Path(__file__).resolve().parent.parent
+# side_by_side.py beside this script; run.py, bench.py and egg at the repository's root
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 import side_by_side  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("a", "c", "d", "e")  # (b) is part of (a)
 TESTS = [
     "tests/test_model_reference.py",
@@ -162,7 +164,6 @@ class Clock:
 
 def run_module():
     """run.py, imported (importing it does nothing)."""
-    sys.path.insert(0, str(ROOT))
     import run  # noqa: PLC0415
 
     return run
@@ -170,7 +171,6 @@ def run_module():
 
 def bench_module():
     """bench.py, imported (it imports run.py)."""
-    sys.path.insert(0, str(ROOT))
     import bench  # noqa: PLC0415
 
     return bench
@@ -575,23 +575,32 @@ def xla_dots_against_numpy(platform: str, product=None, shapes=DOT_SHAPES) -> li
     ]
 
 
-def the_rest(args: Args, out: Path) -> list[str]:
-    """(e): the tests on the device, the kernel against its interpreter, XLA's products against
-    numpy's, the same low-rank training on the device and the CPU."""
-    lines = []
-    if not args.quick:
-        env = {**os.environ, "JAX_PLATFORMS": args.platform}
-        command = [sys.executable, "-m", "pytest", "-q", "--maxfail=10", *TESTS]
-        done = subprocess.run([*command, "-k", "not benchmark"], cwd=ROOT, env=env)
-        lines.append(f"tests on {args.platform}: {'passed' if done.returncode == 0 else 'FAILED'}")
-    lines += kernel_against_interpreter(
+def the_rest(args: Args, out: Path, clock: Clock) -> list[str]:
+    """(e), each line printed as it is found: the kernel against its interpreter, XLA's products
+    against numpy's, the same low-rank training on the device and the CPU, then the tests on the
+    device in what the budget has left (stopped there, with a line)."""
+    lines = kernel_against_interpreter(
         args.platform, shapes=KERNEL_SHAPES[:1] if args.quick else KERNEL_SHAPES
     )
     lines += xla_dots_against_numpy(
         args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
     )
+    print(*lines, sep="\n", flush=True)
     where = f"20 generations on {args.platform} (its kernels; XLA's products) and on the CPU"
     lines.append(same_bits(where, same_training(args.platform, out)))
+    print(lines[-1], flush=True)
+    if not args.quick:
+        env = {**os.environ, "JAX_PLATFORMS": args.platform}
+        command = [sys.executable, "-m", "pytest", "-q", "-rf", "--maxfail=10", *TESTS]
+        try:
+            done = subprocess.run(
+                [*command, "-k", "not benchmark"], cwd=ROOT, env=env, timeout=clock.left()
+            )
+            verdict = "passed" if done.returncode == 0 else "FAILED"
+        except subprocess.TimeoutExpired:
+            verdict = f"stopped unfinished at the budget's end ({args.budget:.0f} s)"
+        lines.append(f"tests on {args.platform}: {verdict}")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -636,11 +645,10 @@ def main(args: Args) -> int:
         print(tables[-1], flush=True)
     if "e" in args.parts:
         if clock.left() > 60:
-            rest = the_rest(args, out)
+            tables += the_rest(args, out, clock)
         else:
-            rest = [f"(e) skipped: {clock.left():.0f} s of the budget left"]
-        print(*rest, sep="\n", flush=True)
-        tables += rest
+            tables.append(f"(e) skipped: {clock.left():.0f} s of the budget left")
+            print(tables[-1], flush=True)
     print("\n".join([*tables, f"(gpu_check: {time.time() - clock.started:.0f} s, logs in {out})"]))
     return 0 if not [line for line in tables if "FAILED" in line or "DIFFER" in line] else 1
 

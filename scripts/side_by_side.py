@@ -57,20 +57,25 @@ from tyro.conf import Positional, arg
 ROOT = Path(__file__).resolve().parent.parent  # the repository root, where our run.py is
 
 VALIDATION_BATCH = 64  # both scripts validate on this many parallel streams
-# Either script run through this: at its exit, the most device memory JAX's allocator held, in
-# bytes (on a CPU: nothing)
+# Either script run through this: as it ends, the most device memory JAX's allocator held, in bytes
+# (on a CPU: nothing). Read as the script returns or exits, not at interpreter exit: JAX's own exit
+# handler has dropped its backends by then, and asking again would start a new one, its peak 0.
 MEASURED = """
-import atexit, runpy, sys
+import runpy, sys
 
 def peak():
-    import jax
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
     held = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
     if any(held):
         print(f"\\nside_by_side: peak device memory {max(held)} B", file=sys.stderr, flush=True)
 
-atexit.register(peak)
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    peak()
 """
 # stand-ins for upstream's imports that it does not use here (its data cached, --track off)
 STAND_INS = {

@@ -108,9 +108,11 @@ def upstream_args(**changes) -> run.Args:
 
 
 def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: int, cfg):
-    """run.forward of a single model (no replica axis in or out): (fitness (M,), states)."""
+    """run.forward of a single model (no replica axis in or out), compiled as the generation step
+    is: (fitness (M,), states)."""
     add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
-    fitness, states = run.forward(
+    forward = jax.jit(run.forward, static_argnums=6, compiler_options=run.compiler_options(cfg))
+    fitness, states = forward(
         add(params),
         add(noise),
         add(states),

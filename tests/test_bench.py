@@ -31,12 +31,15 @@ def compile_step(args, part="train", devices=1):
 
 
 def dots(text: str) -> list[tuple[list, list]]:
-    """(operand shapes, result shapes) of every dot in a compiled program."""
+    """(operand shapes, result shape) of every product in a compiled program: XLA's dots and its
+    calls of cuBLAS (whose second result is its workspace)."""
     computations, _ = hlo.computations(text)
     found = []
     for body in computations.values():
         shapes = {x.name: x.shapes for x in body}
-        found += [([shapes[o][0] for o in x.operands], x.shapes) for x in body if x.opcode == "dot"]
+        found += [
+            ([shapes[o][0] for o in x.operands], x.shapes[:1]) for x in body if hlo.is_product(x)
+        ]
     return found
 
 
@@ -93,11 +96,23 @@ def test_no_int8_product_of_the_h100_program_is_shallower_than_32(rank):
     found = []
     for body in hlo.computations(compiled.as_text())[0].values():
         shapes = {x.name: x.shapes for x in body}
-        for x in (x for x in body if x.opcode == "dot"):
-            lhs = shapes[x.operands[0]][0][1]
-            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", x.attributes).group(1)
-            found.append(np.prod([lhs[int(d)] for d in contracted.split(",") if d]))
+        for x in (x for x in body if hlo.is_product(x)):  # at --rank 0 cuBLAS's (run.py)
+            found.append(np.prod(hlo.product_depths(x, shapes[x.operands[0]][0])))
     assert found and min(found) >= run.DOT_DEPTH == 32, found
+
+
+def test_full_ranks_h100_products_go_to_cublas_and_rank_1s_to_triton():
+    """XLA's Triton GEMMs summed some of full rank's fused int8 products wrongly on an H200 and
+    cuBLAS's gave the CPU's bits: --rank 0 compiles without them; rank 1, whose Triton GEMMs were
+    right, keeps them."""
+    flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1")
+    triton_gemm = re.compile(r'"kind":"__triton\w*gemm\w*"')
+    for rank, kernels in (("0", "xla"), ("1", "xla")):
+        compiled, _, _ = compile_step(tiny_args(*flags, "--rank", rank, "--kernels", kernels))
+        text = compiled.as_text()
+        integer_only(text)
+        assert bool(triton_gemm.search(text)) == (rank == "1"), rank
+        assert ("__cublas" in text) == (rank == "0"), rank
 
 
 def test_validation_and_inference_compile_for_the_h100_integer_only():

@@ -4,12 +4,13 @@ kernel by kernel, and one profiled generation beside the cost model."""
 import gzip
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
 
 import jax.numpy as jnp
-from helpers import ROOT, tiny_args
+from helpers import ROOT, cli, tiny_args
 
 import bench
 import run
@@ -115,11 +116,14 @@ def test_nano_egg_and_egg_jax_run_on_the_same_bytes_and_flags_side_by_side(tmp_p
     assert valid.stat().st_size == gpu_check.VALID_BYTES >> 4 and train.stat().st_size > 0
 
 
-def test_without_nano_egg_only_egg_jax_runs_and_the_full_rank_part_compares_bits(tmp_path, capsys):
-    """(a) without --nano_egg: egg-jax's row alone; (d): full rank on the platform and the CPU."""
-    args = gpu_check.Args(platform="cpu", quick=True, parts=("a", "d"), out=str(tmp_path))
-    assert gpu_check.main(args) == 0
-    out = capsys.readouterr().out
+def test_without_nano_egg_only_egg_jax_runs_and_the_full_rank_part_compares_bits(tmp_path):
+    """(a) without --nano_egg: egg-jax's row alone; (d): full rank on the platform and the CPU.
+    The script as a GPU machine runs it: from elsewhere, with no PYTHONPATH to find the project."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    flags = ("--platform", "cpu", "--quick", "--parts", "a", "d", "--out", str(tmp_path))
+    result = cli(*flags, cwd=tmp_path, env=env, script="scripts/gpu_check.py")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
     assert re.search(r"^egg-jax +[\d,]+ ", out, re.M) and "nano-egg" not in out.split("== (a)")[1]
     assert re.search(r"^\(d\) --rank 0 \(full rank\): .*, identical$", out, re.M)
 
