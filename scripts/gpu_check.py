@@ -133,6 +133,7 @@ VARIANTS = {  # name: (--kernels, the kernel's tiles as they were, XLA's options
     "XLA's products, no graphs": ("xla", False, NO_GRAPHS),
 }
 PROFILED = "kernel, tiles now, graphs"  # the variant whose one generation (c) profiles
+GRAPH_LAUNCHES = "(CUDA graph launches)"  # the model's cost of launching the graphs themselves
 
 
 @dataclass(frozen=True)
@@ -329,13 +330,17 @@ def timed(compiled, carry, batch, inputs, least: float = 1.5) -> tuple[float, tu
 def modeled_times(hlo: str, pallas_costs: dict, launched=None) -> dict[str, float]:
     """{kernel: modeled us a generation} of a compiled program (bench.py's cost model for an H100,
     its launches as `launched` says), by the names a trace gives: the product kernel's name (its
-    calls summed), else the HLO's."""
+    calls summed), else the HLO's; the graphs' own launches under GRAPH_LAUNCHES. The values sum
+    to the model's time of the whole generation."""
     run, bench = run_module(), bench_module()
     roofline, modeled = bench.ROOFLINES["h100"], {}
+    kernels_only = launched._replace(graphs=0) if launched else None
     for k in bench.hlo.gpu_kernels(hlo, pallas_costs):
-        seconds = bench.hlo.modeled_seconds([k], roofline, launched)
+        seconds = bench.hlo.modeled_seconds([k], roofline, kernels_only)
         name = run.kernel.int8_product.__name__ if k.kind == "pallas" else k.name.replace(".", "_")
         modeled[name] = modeled.get(name, 0.0) + seconds * 1e6
+    if launched and launched.graphs:
+        modeled[GRAPH_LAUNCHES] = launched.graphs * roofline.launch * 1e6
     return modeled
 
 

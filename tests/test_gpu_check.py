@@ -143,6 +143,13 @@ def test_the_models_product_kernels_go_by_the_name_a_trace_gives_them():
     assert modeled["int8_product"] > calls * bench.ROOFLINES["h100"].launch * 1e6 * 0.99
     # none under its HLO name
     assert not [name for name in modeled if name.startswith("pallas_call")]
+    # with graphs: the kernels' times and the graphs' launches, once, sum to the whole program's
+    found = hlo.gpu_kernels(text, costs)
+    launched = hlo.Launches(7, frozenset(k.name for k in found[::2]), {})
+    modeled = gpu_check.modeled_times(text, costs, launched)
+    whole = hlo.modeled_seconds(found, bench.ROOFLINES["h100"], launched) * 1e6
+    assert abs(sum(modeled.values()) - whole) < 1e-6 * whole
+    assert modeled[gpu_check.GRAPH_LAUNCHES] == 7 * bench.ROOFLINES["h100"].launch * 1e6
 
 
 def test_the_compiled_kernel_is_compared_with_its_interpreter_case_by_case():
