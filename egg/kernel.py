@@ -63,13 +63,7 @@ def tiles(replicas: int, groups: int, pairs: int, distinct: int, m: int, n: int,
     gives each SM of an H100 PROGRAMS_PER_SM programs at least, the largest (each re-reads the
     fewest weights and inputs); where none does (few members, few outputs), the smallest; and the
     longest chunk of the inputs, at most TILE_DEPTH. Any tiles compute the same integers."""
-    options = [
-        (rows, columns)
-        for rows in (16, 32, 64)
-        if rows <= TILE_ROWS and distinct % rows == 0
-        for columns in (16, 32, 64, 128)
-        if columns <= TILE_COLUMNS and m % columns == 0
-    ]
+    options = tile_options(distinct, m)
     enough = [
         t
         for t in options
@@ -81,6 +75,18 @@ def tiles(replicas: int, groups: int, pairs: int, distinct: int, m: int, n: int,
         rows, columns = min(options, key=lambda t: (t[0] * t[1], t[1]))
     depth = max(t for t in (16, 32, 64) if t <= TILE_DEPTH and n % t == 0)
     return rows, columns, depth
+
+
+def tile_options(distinct: int, m: int) -> list[tuple[int, int]]:
+    """The (rows of pairs, columns of outputs) a product's tiles may take: powers of two from 16,
+    at most TILE_ROWS within the distinct pairs and TILE_COLUMNS within the outputs."""
+    return [
+        (rows, columns)
+        for rows in (16, 32, 64)
+        if rows <= TILE_ROWS and distinct % rows == 0
+        for columns in (16, 32, 64, 128)
+        if columns <= TILE_COLUMNS and m % columns == 0
+    ]
 
 
 def grid(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
@@ -210,7 +216,9 @@ def cost(x, w, a, b, gain, residual, out):
     return pl.CostEstimate(flops=2 * macs, transcendentals=0, bytes_accessed=moved)
 
 
-def product(x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arithmetic):
+def product(
+    x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arithmetic, tile=None, warps=4
+):
     """Every member's int8 product with G matrices: out[g] = rescale(x' W_g^T + noise term), x' the
     layer norm of x (with a gain) or x, plus the residual (with one), each as `arithmetic` says.
 
@@ -218,7 +226,9 @@ def product(x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arith
     a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
     (K,) int32, each replica's sigma_shift; layer () int32; gain (L, K, D, S n), (L, K, 1, n)
     (every row's) or None; residual (K, Q, S m) or None. Returns (G, K, Q, S m). A program
-    (int8_product) computes a tile of pairs and outputs of one side of one matrix."""
+    (int8_product) computes a tile of pairs and outputs of one side of one matrix: `tile`'s (rows,
+    columns, depth), or the rule's (tiles) where None, in `warps` warps; the same integers any
+    way (scripts/gpu_check.py times them)."""
     from jax.experimental import pallas as pl
 
     replicas, pairs, _ = x.shape
@@ -226,7 +236,7 @@ def product(x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arith
     sides = x.shape[2] // n
     noisy = a is not None
     distinct = a.shape[3] if noisy else pairs
-    rows, columns, depth = tiles(replicas, groups, pairs, distinct, m, n, sides)
+    rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides)
     column_tiles = m // columns
     kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
     program = partial(
@@ -241,7 +251,7 @@ def product(x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arith
     if not interpret:
         from jax.experimental.pallas import triton as pallas_triton
 
-        compiler = pallas_triton.CompilerParams(num_warps=4, num_stages=2)
+        compiler = pallas_triton.CompilerParams(num_warps=warps, num_stages=2)
     place = lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)  # noqa: E731
     return pl.pallas_call(
         program,

@@ -20,11 +20,16 @@ what it measured), each part skipped with one line where --budget has too little
 (e) the rest: the product kernel as compiled against the same kernel in Pallas's interpreter;
     XLA's int8 products against numpy's; the same low-rank training on the GPU (the kernel's
     products, then XLA's) and on the CPU: the same bits; then the tests whose arithmetic runs on the
-    device, for what the budget has left.
+    device, for what the budget has left;
+(t) the product kernel's tiles: each product of a configuration's generation step (read as the step
+    is traced) timed with every tile the kernel may take, in 4 and 8 warps, beside the tile rule's
+    choice and XLA's int8 GEMM of the same shapes: what a measured tile choice would gain.
+
+Parts run in the order --parts gives (default a c d e t), each with what the budget has left.
 
     python scripts/gpu_check.py --nano_egg NANO_EGG     # on the GPU machine, from the repository
     python scripts/gpu_check.py --platform cpu --quick  # its CPU part (what the tests run)
-    python scripts/gpu_check.py --parts c d             # some parts only
+    python scripts/gpu_check.py --parts t d e           # some parts only, in this order
 
 NANO_EGG is a clone of github ESHyperscale/nano-egg (a bare one will do). A GPU machine without
 internet needs them beside the repository, and run.py's command-line packages its image may lack,
@@ -60,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 import side_by_side  # noqa: E402
 
-PARTS = ("a", "c", "d", "e")  # (b) is part of (a)
+PARTS = ("a", "c", "d", "e", "t")  # (b) is part of (a)
 TESTS = [
     "tests/test_model_reference.py",
     "tests/test_step.py",
@@ -143,7 +148,7 @@ class Args:
     nano_egg: str = ""
     """a clone of github ESHyperscale/nano-egg, for (a) ('': egg-jax's side alone)"""
     parts: tuple[str, ...] = PARTS
-    """the parts to run, of a c d e ((b) is part of (a))"""
+    """the parts to run, in this order, of a c d e t ((b) is part of (a))"""
     budget: float = 540.0
     """seconds for all parts: each is skipped with a line where too little is left"""
     quick: bool = False
@@ -446,6 +451,130 @@ def step_variants(
 
 
 # ------------------------------------------------------------------------------------------------
+# (t): the product kernel's tiles, each of a configuration's products timed with every tile.
+
+
+def product_calls(flags: list[str]):
+    """(cfg, {operand shapes: calls a generation}) of the product kernel's calls in run.py's
+    generation step for these flags, read as the step is traced (each call traced once a token:
+    a generation makes it once for each of its tokens)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    run = run_module()
+    args, mesh, cfg = run.start_devices(run.parse_args([*flags, "--kernels", "pallas"]))
+    replicas = run.replicas_of(args)
+    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
+    batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
+    inputs = run.replica_inputs(cfg, replicas, 0)
+    calls, real = {}, run.kernel.product
+
+    def recording(*operands, **options):
+        key = tuple(None if o is None else (tuple(o.shape), str(o.dtype)) for o in operands)
+        calls[key] = calls.get(key, 0) + cfg.tokens
+        return real(*operands, **options)
+
+    jax.clear_caches()
+    run.kernel.product = recording  # run.py calls it through the module, as this reads it
+    try:
+        run.make_generation_step(cfg, mesh).trace(*carry, batch, np.int32(0), *inputs)
+    finally:
+        run.kernel.product = real
+    return cfg, calls
+
+
+def seconds_a_call(function, operands, least: float) -> float:
+    """A jitted function's seconds a call on these operands: one untimed, then back to back for at
+    least `least` seconds and 3 calls."""
+    import jax  # noqa: PLC0415
+
+    jax.block_until_ready(function(*operands))
+    count, tick = 0, time.time()
+    while count < 3 or time.time() - tick < least:
+        out = function(*operands)
+        count += 1
+    jax.block_until_ready(out)  # a sync point: the clock reads finished calls
+    return (time.time() - tick) / count
+
+
+def tile_text(tile: tuple[int, int, int]) -> str:
+    """(rows, columns, warps) as the sweep's table writes it: 64x128, 4."""
+    return f"{tile[0]}x{tile[1]}, {tile[2]}"
+
+
+def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) -> list[str]:
+    """(t) for one configuration: each distinct product of its generation step timed with every
+    tile the kernel may take (kernel.tile_options) in each number of warps, beside the tile rule's
+    choice and XLA's int8 GEMM of the same shapes alone (x W^T to int32, without the noise, gain,
+    residual and rescale the kernel does besides); then the generation's products at the rule's
+    tiles and at the best measured for each."""
+    import itertools  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    run = run_module()
+    from egg import kernel  # noqa: PLC0415
+
+    cfg, calls = product_calls(list(config.flags))
+    interpret = cfg.kernels == "interpret"
+    rng = np.random.default_rng(0)
+    lines = [
+        f"== (t) {config.name}: the product kernel's tiles (rows of pairs x columns, warps)",
+        f"{'x, w (K Q Sn; G L K m n), noise gain residual':52} {'calls':>7} {'rule':>15} "
+        f"{'us':>8} {'best':>15} {'us':>8} {'XLA GEMM us':>11}",
+    ]
+    print(*lines, sep="\n", flush=True)
+    rule_total = best_total = 0.0
+    for key, count in calls.items():
+        x_shape, w_shape = key[0][0], key[1][0]
+        (replicas, pairs, width), (groups, _, _, m, n) = x_shape, w_shape
+        distinct = key[2][0][3] if key[2] else pairs
+        operands = []
+        for spec in key:
+            if spec is None:
+                operands.append(None)
+            elif spec[1] == "int8":
+                operands.append(jnp.asarray(rng.integers(-127, 128, spec[0]).astype(np.int8)))
+            else:  # the layer and the replicas' sigma shifts
+                operands.append(jnp.full(spec[0], 0 if spec[0] == () else 3, jnp.int32))
+        rule = kernel.tiles(replicas, groups, pairs, distinct, m, n, width // n)
+        times = {}
+        for (rows, columns), w in itertools.product(kernel.tile_options(distinct, m), warps):
+            if clock.left() < 10:
+                break
+            options = dict(interpret=interpret, arithmetic=run.ARITHMETIC, warps=w)
+            tile = (rows, columns, rule[2])
+            function = jax.jit(partial(kernel.product, tile=tile, **options))
+            times[(rows, columns, w)] = seconds_a_call(function, operands, least)
+        x2, w2 = operands[0].reshape(-1, n), operands[1][0, 0, 0]
+        gemm = jax.jit(lambda x, w: jnp.einsum("rn,mn->rm", x, w, preferred_element_type=jnp.int32))
+        xla = seconds_a_call(gemm, (x2, w2), least) * groups
+        kinds = " ".join(str(int(key[i] is not None)) for i in (2, 6, 7))
+        shapes = f"{'x'.join(map(str, x_shape))}; {'x'.join(map(str, w_shape))} {kinds}"
+        rule_key = (rule[0], rule[1], 4)
+        if rule_key not in times:
+            lines.append(f"{shapes:52} {count:7,} skipped: {clock.left():.0f} s of the budget left")
+            print(lines[-1], flush=True)
+            continue
+        best = min(times, key=times.get)
+        rule_total += count * times[rule_key]
+        best_total += count * times[best]
+        lines.append(
+            f"{shapes:52} {count:7,} {tile_text(rule_key):>15} {times[rule_key] * 1e6:8.1f} "
+            f"{tile_text(best):>15} {times[best] * 1e6:8.1f} {xla * 1e6:11.1f}"
+        )
+        print(lines[-1], flush=True)
+    lines.append(
+        f"a generation's products: {rule_total * 1e3:.2f} ms at the rule's tiles, "
+        f"{best_total * 1e3:.2f} ms at the best measured"
+    )
+    print(lines[-1], flush=True)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
 # (d) and (e): the same bits as the CPU's, and what else runs on the device.
 
 
@@ -635,25 +764,32 @@ def main(args: Args) -> int:
     tables = [versions()]
     print(tables[0], flush=True)
     configurations = QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS
-    if "a" in args.parts:
-        tables += beside_nano_egg(args, out, clock)
-    if "c" in args.parts:
-        for config in configurations:
-            tables += step_variants(config, out, clock, 0.2 if args.quick else 1.5)
-    if "d" in args.parts:
-        if clock.left() > 30:
+    least = 0.2 if args.quick else 1.5
+
+    def full_rank() -> list[str]:
+        line = f"(d) skipped: {clock.left():.0f} s of the budget left"
+        if clock.left() >= 30:
             digests = same_training(args.platform, out, ["--rank", "0"], kernels=False)
             where = f"--rank 0 (full rank): 20 generations on {args.platform} and on the CPU"
-            tables.append(same_bits(f"(d) {where}", digests))
-        else:
-            tables.append(f"(d) skipped: {clock.left():.0f} s of the budget left")
-        print(tables[-1], flush=True)
-    if "e" in args.parts:
-        if clock.left() > 60:
-            tables += the_rest(args, out, clock)
-        else:
-            tables.append(f"(e) skipped: {clock.left():.0f} s of the budget left")
-            print(tables[-1], flush=True)
+            line = same_bits(f"(d) {where}", digests)
+        print(line, flush=True)
+        return [line]
+
+    def rest() -> list[str]:
+        if clock.left() >= 60:
+            return the_rest(args, out, clock)
+        print(f"(e) skipped: {clock.left():.0f} s of the budget left", flush=True)
+        return [f"(e) skipped: {clock.left():.0f} s of the budget left"]
+
+    parts = {
+        "a": lambda: beside_nano_egg(args, out, clock),
+        "c": lambda: [line for c in configurations for line in step_variants(c, out, clock, least)],
+        "d": full_rank,
+        "e": rest,
+        "t": lambda: [line for c in configurations for line in tile_sweep(c, clock, least / 10)],
+    }
+    for part in args.parts:  # in the order given, each printing its lines as it finds them
+        tables += parts[part]()
     print("\n".join([*tables, f"(gpu_check: {time.time() - clock.started:.0f} s, logs in {out})"]))
     return 0 if not [line for line in tables if "FAILED" in line or "DIFFER" in line] else 1
 

@@ -214,3 +214,21 @@ def test_upstream_gets_stand_ins_for_the_imports_it_does_not_use_where_they_are_
     )
     assert used.returncode == 1 and "no wandb here" in used.stderr
     assert env["WANDB_MODE"] == "disabled" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_tile_sweep_times_every_product_of_a_generation_with_each_tile(monkeypatch):
+    """(t) on the CPU (the kernel in Pallas's interpreter): the step's products read as it is
+    traced, a generation making each block's five (the gates' pair, U_f, U_h, W_1, W_2) a layer
+    and the head once a byte; a row a distinct product with the rule's tile and the best measured
+    of those allowed (two here), and the generation's totals."""
+    (config,) = gpu_check.QUICK_CONFIGURATIONS
+    cfg, calls = gpu_check.product_calls(list(config.flags))
+    assert sum(calls.values()) == (5 * cfg.n_layer + 1) * cfg.tokens
+    monkeypatch.setattr(kernel, "tile_options", lambda distinct, m: [(16, 16), (16, 32)])
+    lines = gpu_check.tile_sweep(config, gpu_check.Clock(600), 0.0, warps=(4,))
+    rows = lines[2:-1]
+    assert len(rows) == len(calls) and all(" 16x16, 4 " in row for row in rows)
+    rule, best = re.match(
+        r"a generation's products: ([\d.]+) ms .*, ([\d.]+) ms", lines[-1]
+    ).groups()
+    assert float(best) <= float(rule)
