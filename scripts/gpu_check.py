@@ -505,9 +505,9 @@ def tile_text(tile: tuple[int, int, int]) -> str:
 def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) -> list[str]:
     """(t) for one configuration: each distinct product of its generation step timed with every
     tile the kernel may take (kernel.tile_options) in each number of warps, beside the tile rule's
-    choice and XLA's int8 GEMM of the same shapes alone (x W^T to int32, without the noise, gain,
-    residual and rescale the kernel does besides); then the generation's products at the rule's
-    tiles and at the best measured for each."""
+    choice, the same kernel at the rule's tile without its noise, gain and residual ("bare": what
+    the integer work around the product costs) and XLA's int8 GEMM of the same shapes alone (x W^T
+    to int32); then the generation's products at the rule's tiles and at the best measured."""
     import itertools  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
@@ -523,7 +523,7 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
     lines = [
         f"== (t) {config.name}: the product kernel's tiles (rows of pairs x columns, warps)",
         f"{'x, w (K Q Sn; G L K m n), noise gain residual':52} {'calls':>7} {'rule':>15} "
-        f"{'us':>8} {'best':>15} {'us':>8} {'XLA GEMM us':>11}",
+        f"{'us':>8} {'best':>15} {'us':>8} {'bare us':>8} {'XLA GEMM us':>11}",
     ]
     print(*lines, sep="\n", flush=True)
     rule_total = best_total = 0.0
@@ -548,9 +548,6 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
             tile = (rows, columns, rule[2])
             function = jax.jit(partial(kernel.product, tile=tile, **options))
             times[(rows, columns, w)] = seconds_a_call(function, operands, least)
-        x2, w2 = operands[0].reshape(-1, n), operands[1][0, 0, 0]
-        gemm = jax.jit(lambda x, w: jnp.einsum("rn,mn->rm", x, w, preferred_element_type=jnp.int32))
-        xla = seconds_a_call(gemm, (x2, w2), least) * groups
         kinds = " ".join(str(int(key[i] is not None)) for i in (2, 6, 7))
         shapes = f"{'x'.join(map(str, x_shape))}; {'x'.join(map(str, w_shape))} {kinds}"
         rule_key = (rule[0], rule[1], 4)
@@ -558,12 +555,20 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
             lines.append(f"{shapes:52} {count:7,} skipped: {clock.left():.0f} s of the budget left")
             print(lines[-1], flush=True)
             continue
+        options = dict(interpret=interpret, arithmetic=run.ARITHMETIC)
+        bare = jax.jit(partial(kernel.product, tile=rule, **options))
+        plain = seconds_a_call(
+            bare, [*operands[:2], None, None, None, operands[5], None, None], least
+        )
+        x2, w2 = operands[0].reshape(-1, n), operands[1][0, 0, 0]
+        gemm = jax.jit(lambda x, w: jnp.einsum("rn,mn->rm", x, w, preferred_element_type=jnp.int32))
+        xla = seconds_a_call(gemm, (x2, w2), least) * groups
         best = min(times, key=times.get)
         rule_total += count * times[rule_key]
         best_total += count * times[best]
         lines.append(
             f"{shapes:52} {count:7,} {tile_text(rule_key):>15} {times[rule_key] * 1e6:8.1f} "
-            f"{tile_text(best):>15} {times[best] * 1e6:8.1f} {xla * 1e6:11.1f}"
+            f"{tile_text(best):>15} {times[best] * 1e6:8.1f} {plain * 1e6:8.1f} {xla * 1e6:11.1f}"
         )
         print(lines[-1], flush=True)
     lines.append(
