@@ -574,6 +574,9 @@ def layer_norm(x, gain):
 
 # what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
 ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, noise_term, clipped_add)
+# the kernel layer-normalises its inputs itself, in every tile of outputs; False: XLA does, once a
+# row, before it (the same bits; scripts/gpu_check.py times both on a GPU: docs/gpu.org)
+KERNEL_NORMALISES = True
 KERNEL_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # by their input
 
 
@@ -644,8 +647,8 @@ def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", res
     replicas, repeats, distinct, sides, n = x.shape
     pairs, m = repeats * distinct, model.params[names[0]].shape[-2]
     found = model.kernel.get(names) if model.kernel else None
+    at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
     if found is None or not kernel.takes(pairs, distinct, m, n):
-        at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
         v = layer_norm(x, at(model.params[gain])) if gain else x
         noise = (lambda k: None) if model.noise is None else (lambda k: at(model.noise[k]))
         outs = [matmul(v, at(model.params[k]), noise(k), model.sides) for k in names]
@@ -654,12 +657,14 @@ def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", res
     def as_rows(v):  # (K, R, D, S, n) -> (K, Q, S n): a view
         return v.reshape((replicas, pairs, -1))
 
-    at = jnp.asarray(0 if layer is None else layer, i32)
+    if gain and not KERNEL_NORMALISES:
+        x, gain = layer_norm(x, at(model.params[gain])), ""
+    index = jnp.asarray(0 if layer is None else layer, i32)
     gains = model.kernel[gain] if gain else None
     added = None if residual is None else as_rows(residual)
     shifts = model.sides.shift.reshape(-1)
     options = dict(interpret=model.interpret, arithmetic=ARITHMETIC)
-    out = kernel.product(as_rows(x), *found, shifts, at, gains, added, **options)
+    out = kernel.product(as_rows(x), *found, shifts, index, gains, added, **options)
     return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
 

@@ -9,13 +9,14 @@ what it measured), each part skipped with one line where --budget has too little
     256D-6L) and at populations 4096 and 1024 of 64D-2L: training tokens/s, peak GPU memory and
     validation bits/byte after the same generations. Without --nano_egg, egg-jax's side alone;
 (b) egg-jax at population 32768: (a)'s first configuration, its egg-jax side;
-(c) the generation step of each configuration, in one process, compiled six ways and timed beside
-    what bench.py's cost model says of the same compiled program (its launches read from XLA's
-    dump): the product kernel with its tiles as before (the largest, 64 pairs by 64 outputs) and as
-    now (two programs, CTAs, for each SM at least), with XLA's default command buffers (CUDA
-    graphs), with none and with loops recorded too (WHILE); XLA's own products with and without
-    command buffers; then one generation of today's program profiled kernel by kernel (JAX's
-    profiler) beside the model's time for each kernel;
+(c) the generation step of each configuration, in one process, compiled seven ways and timed
+    beside what bench.py's cost model says of the same compiled program (its launches read from
+    XLA's dump): the product kernel with its tiles as before (the largest, 64 pairs by 64 outputs)
+    and as now (two programs, CTAs, for each SM at least), with each row layer-normalised once
+    before it instead of in it, with XLA's default command buffers (CUDA graphs), with none and
+    with loops recorded too (WHILE); XLA's own products with and without command buffers; then one
+    generation of today's program profiled kernel by kernel (JAX's profiler) beside the model's
+    time for each kernel;
 (d) full-rank ES (--rank 0), the same 20 generations on the GPU and on the CPU: the same bits;
 (e) the rest: the product kernel as compiled against the same kernel in Pallas's interpreter;
     XLA's int8 products against numpy's; the same low-rank training on the GPU (the kernel's
@@ -129,13 +130,14 @@ SEED = ("--seed", "0")
 # is; XLA's command buffers as it records them by default, none, and loops recorded too (WHILE)
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE"}
-VARIANTS = {  # name: (--kernels, the kernel's tiles as they were, XLA's options)
-    "kernel, tiles before, graphs": ("pallas", True, {}),
-    "kernel, tiles now, graphs": ("pallas", False, {}),
-    "kernel, tiles now, no graphs": ("pallas", False, NO_GRAPHS),
-    "kernel, tiles now, loops in graphs": ("pallas", False, WHILE),
-    "XLA's products, graphs": ("xla", False, {}),
-    "XLA's products, no graphs": ("xla", False, NO_GRAPHS),
+VARIANTS = {  # name: (--kernels, a setting of the code (setting), XLA's options)
+    "kernel, tiles before, graphs": ("pallas", "tiles before", {}),
+    "kernel, tiles now, graphs": ("pallas", "", {}),
+    "kernel, layer norms before it, graphs": ("pallas", "layer norms before", {}),
+    "kernel, tiles now, no graphs": ("pallas", "", NO_GRAPHS),
+    "kernel, tiles now, loops in graphs": ("pallas", "", WHILE),
+    "XLA's products, graphs": ("xla", "", {}),
+    "XLA's products, no graphs": ("xla", "", NO_GRAPHS),
 }
 PROFILED = "kernel, tiles now, graphs"  # the variant whose one generation (c) profiles
 GRAPH_LAUNCHES = "(CUDA graph launches)"  # the model's cost of launching the graphs themselves
@@ -277,22 +279,28 @@ def beside_nano_egg(args: Args, out: Path, clock: Clock) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# (c): the generation step compiled six ways, timed beside the cost model; one generation profiled.
+# (c): the generation step compiled seven ways, timed beside the cost model; one generation
+# profiled.
 
 
 @contextmanager
-def tiles_before(before: bool):
-    """The product kernel's tile rule as it was (the largest tiles, at most 64 outputs, whatever
-    the grid they give) while `before`; the rule of today otherwise."""
+def setting(name: str):
+    """A variant's setting of the code while it is traced: "tiles before", the product kernel's
+    tile rule as it was (the largest tiles, at most 64 outputs, whatever the grid they give);
+    "layer norms before", each row layer-normalised by XLA before the kernel
+    (run.KERNEL_NORMALISES off); "", the code as it is."""
     from egg import kernel  # noqa: PLC0415
 
-    kept = kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS
-    if before:
+    run = run_module()
+    kept = kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS, run.KERNEL_NORMALISES
+    if name == "tiles before":
         kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS = 0, 64
+    elif name == "layer norms before":
+        run.KERNEL_NORMALISES = False
     try:
         yield
     finally:
-        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS = kept
+        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS, run.KERNEL_NORMALISES = kept
 
 
 def compiled_step(flags: list[str], options: dict, dump: Path):
@@ -410,7 +418,7 @@ def step_variants(
     ]
     print(*lines, sep="\n", flush=True)
     profiled = []
-    for name, (kernels, before, options) in variants.items():
+    for name, (kernels, changed, options) in variants.items():
         if clock.left() < 20:
             lines.append(f"{name:36} skipped: {clock.left():.0f} s of the budget left")
             print(lines[-1], flush=True)
@@ -419,7 +427,7 @@ def step_variants(
         flags = [*config.flags, "--kernels", kernels]
         try:
             tick = time.time()
-            with tiles_before(before):
+            with setting(changed):
                 compiled, traced, cfg, carry, batch, inputs = compiled_step(flags, options, dump)
             compile_seconds = time.time() - tick
             seconds, carry = timed(compiled, carry, batch, inputs, least)

@@ -103,18 +103,31 @@ GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)
 
 
 def counting_kernel_calls(monkeypatch) -> list:
-    """A list that grows by one each time a product is traced through the kernel."""
+    """A list that grows by one each time a product is traced through the kernel: whether that
+    product layer-normalises its inputs (has a gain)."""
     calls, product = [], kernel.product
-    monkeypatch.setattr(kernel, "product", lambda *a, **k: calls.append(1) or product(*a, **k))
+
+    def counted(*operands, **options):
+        calls.append(operands[6] is not None)
+        return product(*operands, **options)
+
+    monkeypatch.setattr(kernel, "product", counted)
     return calls
 
 
-@pytest.mark.parametrize("flags", [[], ["--algorithm", "upstream"]])
-def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkeypatch):
+@pytest.mark.parametrize(
+    "flags, kernel_normalises",
+    [([], True), (["--algorithm", "upstream"], True), ([], False)],
+)
+def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
+    flags, kernel_normalises, monkeypatch
+):
     """32D-2L, population 64 in 3 segments, two generations:
     the kernel for every product and each segment's noise built twice (for the fitness, then for Z
     summed segment by segment) give the parameters, update rule state, states, fitness and moved
-    counts of XLA's products and every segment's noise built at once."""
+    counts of XLA's products and every segment's noise built at once; with the layer norms in the
+    kernel or before it (run.KERNEL_NORMALISES)."""
+    monkeypatch.setattr(run, "KERNEL_NORMALISES", kernel_normalises)
     args = run.parse_args(
         [
             "--n_embd",
@@ -155,6 +168,7 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, monkey
     # every product of every traced forward is the kernel's: each layer's (Wf and Wh together, Uf,
     # Uh, W1, W2; the layers unrolled, as on a GPU) and the head's
     assert calls and len(calls) % (5 * cpu.n_layer + 1) == 0
+    assert any(calls) == kernel_normalises  # each layer's gates, W1 and the head: a gain each
     for left, right in zip(*results, strict=True):
         jax.tree.map(np.testing.assert_array_equal, left, right)
     assert sum(int(np.sum(m)) for _, _, m in results[0]) > 0
