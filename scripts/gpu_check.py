@@ -23,8 +23,9 @@ what it measured), each part skipped with one line where --budget has too little
     products, then XLA's) and on the CPU: the same bits; then the tests whose arithmetic runs on the
     device, for what the budget has left;
 (t) the product kernel's tiles: each product of a configuration's generation step (read as the step
-    is traced) timed with every tile the kernel may take, in 4 and 8 warps, beside the tile rule's
-    choice and XLA's int8 GEMM of the same shapes: what a measured tile choice would gain.
+    is traced) timed with every tile the kernel may take (64 pairs in 4 and 8 warps), beside the
+    rule's choice, the same kernel without its noise, gain and residual, and XLA's int8 GEMM of the
+    same shapes: what a measured tile choice would gain, and what the integer work costs.
 
 Parts run in the order --parts gives (default a c d e t), each with what the budget has left.
 
@@ -512,7 +513,8 @@ def tile_text(tile: tuple[int, int, int]) -> str:
 
 def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) -> list[str]:
     """(t) for one configuration: each distinct product of its generation step timed with every
-    tile the kernel may take (kernel.tile_options) in each number of warps, beside the tile rule's
+    tile the kernel may take (kernel.tile_options), tiles of 64 pairs (Hopper's wgmma: docs/gpu.org)
+    in each number of warps, beside the tile rule's
     choice, the same kernel at the rule's tile without its noise, gain and residual ("bare": what
     the integer work around the product costs) and XLA's int8 GEMM of the same shapes alone (x W^T
     to int32); then the generation's products at the rule's tiles and at the best measured."""
@@ -552,6 +554,8 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
         for (rows, columns), w in itertools.product(kernel.tile_options(distinct, m), warps):
             if clock.left() < 10:
                 break
+            if w != warps[0] and rows < 64:  # more warps only where a tile is a wgmma's 64 rows
+                continue
             options = dict(interpret=interpret, arithmetic=run.ARITHMETIC, warps=w)
             tile = (rows, columns, rule[2])
             function = jax.jit(partial(kernel.product, tile=tile, **options))
