@@ -158,7 +158,7 @@ class Args:
     momentum_shift: Annotated[int, *flag("[1, 7]", training=True, why=INT16)] = 2
     """momentum: the running sum keeps 1 - 2**-shift of itself per generation"""
     max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
-    """momentum: moves of up to this many steps (0: 2 from 10,000 pairs an update, else 1)"""
+    """momentum: moves of up to this many steps (0: 2 from 10,000 pairs or 1M parameters, else 1)"""
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False)] = True
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
     null_from_scores: Annotated[bool, *flag(training=True)] = False
@@ -257,8 +257,10 @@ DOT_DEPTH = 32
 FULL_RANK_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
 # --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
-# segments), one below (docs/results.org, "Population")
+# segments) or from this many parameters, one below (docs/results.org, "Population" and "The
+# default model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
 STEP2_PAIRS = 10_000
+STEP2_PARAMETERS = 1_000_000
 # odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
 SEGMENT_STEP = 0x9E3779B9
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
@@ -1319,7 +1321,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         and max(accumulator_bounds(cfg).values())[0] > INT32_MAX
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
-    two_steps = scored_pairs(cfg) >= STEP2_PAIRS
+    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or num_parameters(cfg) >= STEP2_PARAMETERS
     return cfg._replace(max_step=args.max_step or (2 if two_steps else 1))
 
 

@@ -504,17 +504,18 @@ def test_null_from_scores_keeps_the_moved_share_at_alpha(fast, fitness):
 
 
 def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
-    """--max_step 0 resolves by the scored pairs an update weighs (population / 2 x segments), and
-    a checkpoint records the resolved value."""
+    """--max_step 0 resolves by the scored pairs an update weighs (population / 2 x segments) and
+    by the model's parameters, and a checkpoint records the resolved value."""
 
     # tiny() is upstream's, whose steps are 1: the default given
-    def resolved(population, max_step=0):
+    def resolved(population, max_step=0, **model):
         args = tiny(
             parallel_generations_per_gpu=population,
             segments=1,
             optimizer="momentum",
             max_step=max_step,
         )
+        args = dataclasses.replace(args, model=dataclasses.replace(args.model, **model))
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
         identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
@@ -523,3 +524,6 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     at = 2 * run.STEP2_PAIRS
     assert resolved(at - 2) == (1, 1) and resolved(at) == (2, 2)
     assert resolved(at, max_step=1) == (1, 1) and resolved(8, max_step=3) == (3, 3)
+    # 128D-4L has 854,144 parameters, 128D-6L 1,248,384: the default model's 4,856,064 move twice
+    assert resolved(8, n_embd=128, n_layer=4) == (1, 1)
+    assert resolved(8, n_embd=128, n_layer=6) == (2, 2) == resolved(8, n_embd=256, n_layer=6)
