@@ -212,7 +212,7 @@ class Config(NamedTuple):
     shaping: str  # an entry of SHAPINGS
     optimizer: str  # an entry of RULES
     momentum_shift: int
-    max_step: int  # --max_step, 0 resolved by the pairs an update weighs
+    max_step: int  # --max_step, 0 resolved by the pairs an update weighs and the parameters
     null_from_scores: bool
     noise_reuse: int
     shared_pair_state: bool

@@ -29,6 +29,7 @@ i32 = jnp.int32
 TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
 SMS = 132  # an H100 SXM's streaming multiprocessors
 PROGRAMS_PER_SM = 2  # the least programs a product's grid gives each SM, where its tiles allow
+WARPS = 4  # a program's warps (one warpgroup), unless a caller asks for others
 # at least 32 inputs deep: 16 deep, the kernel as JAX 0.11.2's Triton compiled it for an H200
 # summed every product about twice (docs/gpu.org); the interpreter, which the tests run, cannot
 # show it
@@ -217,7 +218,19 @@ def cost(x, w, a, b, gain, residual, out):
 
 
 def product(
-    x, w, a, b, shifts, layer, gain, residual, *, interpret: bool, arithmetic, tile=None, warps=4
+    x,
+    w,
+    a,
+    b,
+    shifts,
+    layer,
+    gain,
+    residual,
+    *,
+    interpret: bool,
+    arithmetic,
+    tile=None,
+    warps=WARPS,
 ):
     """Every member's int8 product with G matrices: out[g] = rescale(x' W_g^T + noise term), x' the
     layer norm of x (with a gain) or x, plus the residual (with one), each as `arithmetic` says.

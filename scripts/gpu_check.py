@@ -513,11 +513,12 @@ def tile_text(tile: tuple[int, int, int]) -> str:
 
 def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) -> list[str]:
     """(t) for one configuration: each distinct product of its generation step timed with every
-    tile the kernel may take (kernel.tile_options), tiles of 64 pairs (Hopper's wgmma: docs/gpu.org)
-    in each number of warps, beside the tile rule's
-    choice, the same kernel at the rule's tile without its noise, gain and residual ("bare": what
-    the integer work around the product costs) and XLA's int8 GEMM of the same shapes alone (x W^T
-    to int32); then the generation's products at the rule's tiles and at the best measured."""
+    tile the kernel may take (kernel.tile_options), in warps[0] warps and, for tiles of 64 pairs
+    (Hopper's wgmma: docs/gpu.org), in the others too; beside the tile rule's choice, the same
+    kernel at the rule's tile without its noise, gain and residual ("bare": what the integer work
+    around the product costs) and XLA's int8 GEMM of the same shapes alone (x W^T to int32); then
+    the generation's products at the rule's tiles and at the best measured. warps[0] is the
+    kernel's own (kernel.WARPS)."""
     import itertools  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
@@ -562,7 +563,7 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
             times[(rows, columns, w)] = seconds_a_call(function, operands, least)
         kinds = " ".join(str(int(key[i] is not None)) for i in (2, 6, 7))
         shapes = f"{'x'.join(map(str, x_shape))}; {'x'.join(map(str, w_shape))} {kinds}"
-        rule_key = (rule[0], rule[1], 4)
+        rule_key = (rule[0], rule[1], kernel.WARPS)
         if rule_key not in times:
             lines.append(f"{shapes:52} {count:7,} skipped: {clock.left():.0f} s of the budget left")
             print(lines[-1], flush=True)
@@ -795,8 +796,9 @@ def main(args: Args) -> int:
     def rest() -> list[str]:
         if clock.left() >= 60:
             return the_rest(args, out, clock)
-        print(f"(e) skipped: {clock.left():.0f} s of the budget left", flush=True)
-        return [f"(e) skipped: {clock.left():.0f} s of the budget left"]
+        line = f"(e) skipped: {clock.left():.0f} s of the budget left"
+        print(line, flush=True)
+        return [line]
 
     parts = {
         "a": lambda: beside_nano_egg(args, out, clock),
