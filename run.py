@@ -100,6 +100,9 @@ class ModelFlags:
     """width of the residual stream (a multiple of 4)"""
     init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
     """standard deviation of each matrix's first entries in int8 steps (real = q / 16; 0: zeros)"""
+    residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0)] = -1
+    """a block's GRU state and MLP output join the residual stream divided by 2**this (-1: 1 from
+    a million parameters, else 0)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
     """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
 
@@ -197,6 +200,10 @@ class Args:
 RETIRED_AFTER = "13a656d"
 RETIRED_FLAGS = ("mlp_relu", "scale_shift")  # flags that went with their variant
 RETIRED_SETTINGS = {"optimizer": "adam", "mlp_relu": True}  # a setting's value that went
+# Training settings that came after checkpoints began to record theirs (format 3), with the value
+# every checkpoint that records none was trained with: such a checkpoint resumes and samples as it
+# trained (a resolved value that differs now is a change, refused in one line as any is)
+SINCE = {"residual_shift": 0}
 
 
 class Config(NamedTuple):
@@ -207,6 +214,7 @@ class Config(NamedTuple):
     n_layer: int
     n_embd: int
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
+    residual_shift: int  # --residual_shift, -1 resolved by the parameters
     rank: int
     use_clt: bool
     shaping: str  # an entry of SHAPINGS
@@ -257,10 +265,13 @@ DOT_DEPTH = 32
 FULL_RANK_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
 # --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
-# segments) or from this many parameters, one below (docs/results.org, "Population" and "The
-# default model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
+# segments) or in a large model, one below (docs/results.org, "Population" and "The default
+# model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
 STEP2_PAIRS = 10_000
-STEP2_PARAMETERS = 1_000_000
+# a large model (from this many parameters) moves up to two steps and halves its blocks' outputs
+# (--max_step 0, --residual_shift -1): both helped 256D-6L, neither 64D-2L (docs/results.org, "The
+# default model"); nothing between their 131,648 and 4,856,064 parameters was measured
+LARGE_MODEL = 1_000_000
 # odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
 SEGMENT_STEP = 0x9E3779B9
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
@@ -575,6 +586,13 @@ def layer_norm(x, gain):
 
 
 # what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
+def join(branch, x, shift: int):
+    """A block's output joining the residual stream x: x + branch / 2**shift, the quotient rounded
+    half away from zero, saturating (int8). --residual_shift: in a deep stack the sum of the blocks'
+    outputs otherwise saturates the stream (docs/results.org)."""
+    return clipped_add(x, round_shift(branch, shift) if shift else branch)
+
+
 ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, noise_term, clipped_add)
 # the kernel layer-normalises its inputs itself, in every tile of outputs; False: XLA does, once a
 # row, before it (the same bits; scripts/gpu_check.py times both on a GPU: docs/gpu.org)
@@ -594,6 +612,7 @@ class Model(NamedTuple):
     tables: Tables
     kernel: dict | None
     interpret: bool  # the kernel in Pallas's interpreter (on the CPU)
+    residual_shift: int  # how a block's outputs join the residual stream (join)
 
 
 def kernel_operands(params: dict, noise: dict | None) -> dict:
@@ -634,15 +653,14 @@ def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
             model[name] = jnp.moveaxis(vector, 4, 0) if block else vector
     model_noise = None if noise is None else model_noise
     operands = kernel_operands(model, model_noise) if cfg.kernels != "xla" else None
-    return Model(
-        model, model_noise, sides, make_tables(cfg.rank), operands, cfg.kernels == "interpret"
-    )
+    tables, interpret = make_tables(cfg.rank), cfg.kernels == "interpret"
+    return Model(model, model_noise, sides, tables, operands, interpret, cfg.residual_shift)
 
 
 def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", residual=None):
     """x times each named matrix (with its noise) as matmul computes it, the one place that chooses
     who computes it: x_KxRxDxSxn; first layer_norm(x, gain) with a gain name, then
-    clipped_add(residual, product) with a residual.
+    join(product, residual) with a residual.
     `layer` () int32 for block parameters, None for the head. Returns one (K, R, D, S, m) per name:
     by egg/kernel.py where the Model has its operands and the kernel takes the shapes, else by
     XLA."""
@@ -654,7 +672,7 @@ def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", res
         v = layer_norm(x, at(model.params[gain])) if gain else x
         noise = (lambda k: None) if model.noise is None else (lambda k: at(model.noise[k]))
         outs = [matmul(v, at(model.params[k]), noise(k), model.sides) for k in names]
-        return [o if residual is None else clipped_add(residual, o) for o in outs]
+        return [o if residual is None else join(o, residual, model.residual_shift) for o in outs]
 
     def as_rows(v):  # (K, R, D, S, n) -> (K, Q, S n): a view
         return v.reshape((replicas, pairs, -1))
@@ -665,7 +683,8 @@ def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", res
     gains = model.kernel[gain] if gain else None
     added = None if residual is None else as_rows(residual)
     shifts = model.sides.shift.reshape(-1)
-    options = dict(interpret=model.interpret, arithmetic=ARITHMETIC)
+    arithmetic = ARITHMETIC._replace(add=partial(join, shift=model.residual_shift))
+    options = dict(interpret=model.interpret, arithmetic=arithmetic)
     out = kernel.product(as_rows(x), *found, shifts, index, gains, added, **options)
     return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
@@ -684,7 +703,7 @@ def block(x, h, layer, model: Model):
     (uh,) = products(model, gated, layer, ("Uh",))
     c = clipped_add(wh, uh, model.params["bh"][layer]).astype(i32)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
-    x = clipped_add(x, h)
+    x = join(h, x, model.residual_shift)
     (hidden,) = products(model, x, layer, ("W1",), gain="ln2")  # (..., 4E), no nonlinearity
     (x,) = products(model, hidden, layer, ("W2",), residual=x)
     gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
@@ -1295,6 +1314,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         n_layer=args.model.n_layer,
         n_embd=args.model.n_embd,
         init_std=args.model.init_std,
+        residual_shift=args.model.residual_shift,
         rank=args.rank,
         use_clt=args.use_clt,
         shaping=args.shaping,
@@ -1321,8 +1341,10 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         and max(accumulator_bounds(cfg).values())[0] > INT32_MAX
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
-    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or num_parameters(cfg) >= STEP2_PARAMETERS
-    return cfg._replace(max_step=args.max_step or (2 if two_steps else 1))
+    large = num_parameters(cfg) >= LARGE_MODEL
+    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
+    shift = cfg.residual_shift if cfg.residual_shift >= 0 else int(large)
+    return cfg._replace(max_step=args.max_step or (2 if two_steps else 1), residual_shift=shift)
 
 
 def replicas_of(args: Args) -> list[Replica]:
@@ -1811,7 +1833,8 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
 
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     """Everything besides the generation counter that decides how a run trains (compared when it
-    resumes): the flags whose facts say so, max_step as resolved, the total population (members
+    resumes): the flags whose facts say so, max_step and residual_shift as resolved, the total
+    population (members
     per device x devices: the device count alone changes nothing) and the training bytes.
     --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
     generation counter only, so a run may be extended."""
@@ -1819,7 +1842,8 @@ def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     # as JSON has them
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     fingerprint = corpus.fingerprint(data)
-    return {**settings, "max_step": cfg.max_step, "population": cfg.population, "data": fingerprint}
+    resolved = {"max_step": cfg.max_step, "residual_shift": cfg.residual_shift}
+    return {**settings, **resolved, "population": cfg.population, "data": fingerprint}
 
 
 def rule_conditions() -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -2005,6 +2029,7 @@ def train(args: Args) -> dict:
                 aliases=aliases(Args),
                 retired=RETIRED_SETTINGS,
                 retired_after=RETIRED_AFTER,
+                since=SINCE,
             )
             how, allow = args.checkpoints.resume, args.checkpoints.allow_changes
             found = resume.continue_from(how, folders.checkpoints, wanted, allow, writer)
@@ -2159,9 +2184,10 @@ def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by --resume's model (a stop signal: Stopped)."""
     check_ranges(args)
     with StopSignal() as stop:  # from here on a stop signal ends it in one line, the model loaded
-        which, shape = args.sampling.sample_replica, ("n_embd", "n_layer")
-        found = resume.sampled(args.checkpoints.resume, run_folders(args).checkpoints, which, shape)
-        cfg = make_config(single_run(args, **{k: found.flags[k] for k in shape}))
+        which, shape = args.sampling.sample_replica, ("n_embd", "n_layer", "residual_shift")
+        folder = run_folders(args).checkpoints
+        found = resume.sampled(args.checkpoints.resume, folder, which, shape, SINCE)
+        cfg = make_config(single_run(args, **{k: found.training[k] for k in shape}))
         expected = expected_arrays(cfg._replace(replicas=found.replicas))
         params = checkpoints.load_checkpoint(found.folder, expected).params
         if found.setting:

@@ -47,7 +47,7 @@ class Arithmetic(NamedTuple):
     noise_term: (
         Callable  # (x B (rows, 1) int32, A (rows, m, 1) int8, sign, shift) -> (rows, m) int32
     )
-    add: Callable  # (int8, int8) -> int8: the saturating residual add
+    add: Callable  # (out int8, residual int8) -> int8: how out joins the residual, saturating
 
 
 def takes(pairs: int, distinct: int, m: int, n: int) -> bool:

@@ -101,6 +101,7 @@ class Sampled(NamedTuple):
 
     folder: Path
     flags: dict  # the run's flags, as its meta.json records them
+    training: dict  # its training settings as resolved (meta.json's "training", with `since`)
     replicas: int  # the replicas it holds
     chosen: int  # the one sampled
     setting: dict | None  # its settings, where it holds several
@@ -112,10 +113,12 @@ def replicas_held(meta: dict) -> int:
     return 1 if "replica" in meta else len(meta.get("replica_settings") or [None])
 
 
-def sampled(resume: str, save_dir: Path, which: int, needs: tuple[str, ...]) -> Sampled:
+def sampled(
+    resume: str, save_dir: Path, which: int, needs: tuple[str, ...], since: dict
+) -> Sampled:
     """The checkpoint --sample --resume reads and the replica of it `which` names (-1: the best by
     its last validation), refused in one line where there is none or where it does not record the
-    settings `needs` names (the model's shape)."""
+    settings `needs` names (the model's shape); `since` as Wanted's."""
     if not resume:
         raise UserError(
             "--sample needs --resume PATH: a run folder, its checkpoints folder or one checkpoint"
@@ -126,16 +129,17 @@ def sampled(resume: str, save_dir: Path, which: int, needs: tuple[str, ...]) -> 
     try:
         meta = json.loads((found[0] / "meta.json").read_text())
         flags = meta["args"]
-    except (OSError, ValueError, KeyError):
+        meta["training"] = {**since, **(meta.get("training") or {})}
+    except (OSError, ValueError, KeyError, TypeError):
         raise UnreadableCheckpoint(found[0], "no meta.json with the run's flags") from None
     check_format(meta, found[0], dict.fromkeys(needs))
-    replicas = replicas_held(meta)
+    training, replicas = meta["training"], replicas_held(meta)
     if replicas == 1:
-        return Sampled(found[0], flags, 1, 0, None)
+        return Sampled(found[0], flags, training, 1, 0, None)
     chosen = meta.get("best_replica", 0) if which < 0 else which
     if chosen >= replicas:
         raise UserError(f"--sample_replica {chosen}: {found[0]} holds replicas 0 to {replicas - 1}")
-    return Sampled(found[0], flags, replicas, chosen, meta["replica_settings"][chosen])
+    return Sampled(found[0], flags, training, replicas, chosen, meta["replica_settings"][chosen])
 
 
 def acts(settings: dict, name: str, conditions: dict) -> bool:
@@ -168,6 +172,7 @@ class Wanted(NamedTuple):
     aliases: dict  # {an older name: (today's name, {its value: today's})}
     retired: dict  # {setting: a value whose code is gone}: a checkpoint trained with one is refused
     retired_after: str  # the last commit that has their code
+    since: dict  # {a setting that came later: the value a checkpoint without it trained with}
 
 
 class Found(NamedTuple):
@@ -210,7 +215,10 @@ def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool,
             continue
         meta = {
             **loaded.meta,
-            "training": translated(loaded.meta.get("training") or {}, wanted.aliases),
+            "training": {
+                **wanted.since,
+                **translated(loaded.meta.get("training") or {}, wanted.aliases),
+            },
         }
         for name, value in wanted.retired.items():
             if meta["training"].get(name) == value:

@@ -100,10 +100,11 @@ def log2_softmax(logits, target: int) -> int:
     return ((logits[target] - top) << 4) - log2_s
 
 
-def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
+def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_shift: int = 0):
     """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
     {name: (A, B) or full array} (block entries with a leading layer axis), or None. The MLP has no
-    nonlinearity, as upstream's."""
+    nonlinearity, as upstream's. A block's state and MLP output join the residual stream halved
+    residual_shift times, each quotient rounded half away from zero."""
     h = np.zeros_like(h) if tok == 0 else np.asarray(h, np.int64).copy()
 
     def nz(name, layer=None):
@@ -135,19 +136,21 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int):
         new = state + ((g * (c - state)) >> 8)
         assert np.all(np.abs(new) <= 127)  # between the old state and the candidate
         h[layer] = new
-        x = clip8(x + new)
+        x = clip8(x + round_half_away(new, residual_shift))
         a = layer_norm(x, vec("ln2"))
-        x = clip8(x + mm(mm(a, "W1"), "W2"))
+        x = clip8(x + round_half_away(mm(mm(a, "W1"), "W2"), residual_shift))
     x = layer_norm(x, perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift))
     return matmul(x, params["head"], nz("head"), sign, sigma_shift), h
 
 
-def member_fitness(params, noise, sign: int, h, inputs, targets, sigma_shift: int):
+def member_fitness(
+    params, noise, sign: int, h, inputs, targets, sigma_shift: int, residual_shift=0
+):
     """One member over a window: (sum of log2 p(target) at q / 256, final states, logits per
     byte)."""
     total, every = 0, []
     for tok, target in zip(inputs, targets, strict=True):
-        logits, h = forward(params, noise, sign, h, int(tok), sigma_shift)
+        logits, h = forward(params, noise, sign, h, int(tok), sigma_shift, residual_shift)
         every.append(logits)
         total += log2_softmax(logits, int(target))
     return total, h, np.array(every)

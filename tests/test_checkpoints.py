@@ -277,6 +277,13 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     meta_path.write_text(json.dumps({**meta, "format": 4}))
     one_line_error(in_process(capsys, *base), "is of format 4, newer than this egg-jax's")
     meta_path.write_text(written)
+    # a setting that came later (run.SINCE) reads as the value every checkpoint without it had
+    meta = json.loads(written)
+    meta["training"].pop("residual_shift")
+    meta_path.write_text(json.dumps(meta))
+    result = in_process(capsys, *base, "--residual_shift", "1")
+    one_line_error(result, "was trained with other settings: --residual_shift 0 -> 1")
+    meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)

@@ -117,7 +117,7 @@ def counting_kernel_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize(
     "flags, kernel_normalises",
-    [([], True), (["--algorithm", "upstream"], True), ([], False)],
+    [([], True), (["--algorithm", "upstream"], True), (["--residual_shift", "1"], False)],
 )
 def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
     flags, kernel_normalises, monkeypatch
@@ -126,7 +126,8 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
     the kernel for every product and each segment's noise built twice (for the fitness, then for Z
     summed segment by segment) give the parameters, update rule state, states, fitness and moved
     counts of XLA's products and every segment's noise built at once; with the layer norms in the
-    kernel or before it (run.KERNEL_NORMALISES)."""
+    kernel or before it (run.KERNEL_NORMALISES); the blocks' outputs halved where they join the
+    residual stream (the kernel's add)."""
     monkeypatch.setattr(run, "KERNEL_NORMALISES", kernel_normalises)
     args = run.parse_args(
         [

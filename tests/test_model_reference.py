@@ -47,9 +47,12 @@ def window(cfg, rng, members):
 
 # 12: rescales by a multiply, not a shift
 @pytest.mark.parametrize(
-    "n_embd, rank, sigma_shift", [(16, 1, 4), (16, 3, 2), (12, 2, 0), (16, 0, 3)]
+    "n_embd, rank, sigma_shift, residual_shift",
+    [(16, 1, 4, 2), (16, 3, 2, 0), (12, 2, 0, 1), (16, 0, 3, 0)],
 )
-def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, sigma_shift):
+def test_population_fitness_equals_the_reference_for_every_member(
+    n_embd, rank, sigma_shift, residual_shift
+):
     args = flags.replace(
         run.Args(),
         n_embd=n_embd,
@@ -60,6 +63,7 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
         segments=1,  # the noise of one segment: population_fitness evaluates one
         rank=rank,
         sigma_shift=sigma_shift,
+        residual_shift=residual_shift,
     )
     cfg = run.make_config(args)
     rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift + 100)
@@ -79,6 +83,7 @@ def test_population_fitness_equals_the_reference_for_every_member(n_embd, rank, 
             tokens[member, :-1],
             tokens[member, 1:],
             sigma_shift,
+            residual_shift,
         )
         assert int(fitness[member]) == want, member
         np.testing.assert_array_equal(final[member], h, err_msg=str(member))
