@@ -100,10 +100,6 @@ class ModelFlags:
     """width of the residual stream (a multiple of 4)"""
     init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
     """standard deviation of each matrix's first entries in int8 steps (real = q / 16; 0: zeros)"""
-    emb_std: Annotated[int, *flag("[-1, 32]", training=True, upstream=-1)] = -1
-    """the embedding's first standard deviation (-1: --init_std)"""
-    branch_std: Annotated[int, *flag("[-1, 32]", training=True, upstream=-1)] = -1
-    """Wh's and W2's first standard deviation, whose products reach the stream (-1: --init_std)"""
     residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0)] = -1
     """a block's GRU state and MLP output join the residual stream divided by 2**this (-1: 1 from
     a million parameters, else 0)"""
@@ -169,8 +165,6 @@ class Args:
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False)] = True
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
     null_from_scores: Annotated[bool, *flag(training=True)] = False
-    decay_shift: Annotated[int, *flag("[0, 7]", training=True, upstream=0)] = 0
-    """momentum: each matrix entry's u less round(w / 2**shift), a decay to zero (0: none)"""
     """ztest: scale the null std by sqrt(this generation's sum of squared scores / its null mean)"""
 
     # validation
@@ -220,8 +214,6 @@ class Config(NamedTuple):
     n_layer: int
     n_embd: int
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
-    emb_std: int
-    branch_std: int
     residual_shift: int  # --residual_shift, -1 resolved by the parameters
     rank: int
     use_clt: bool
@@ -230,7 +222,6 @@ class Config(NamedTuple):
     momentum_shift: int
     max_step: int  # --max_step, 0 resolved by the pairs an update weighs and the parameters
     null_from_scores: bool
-    decay_shift: int
     noise_reuse: int
     shared_pair_state: bool
     group_size: int
@@ -476,9 +467,7 @@ def init_params(cfg: Config, seed):
         if name in MATRICES:
             bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
             gauss = jnp.asarray(tables.gauss)[bits].astype(i32)
-            std = {"Wh": cfg.branch_std, "W2": cfg.branch_std, "emb": cfg.emb_std}.get(name, -1)
-            std = cfg.init_std if std < 0 else std
-            params[name] = round_shift(gauss * std, NOISE_FRAC).astype(jnp.int8)
+            params[name] = round_shift(gauss * cfg.init_std, NOISE_FRAC).astype(jnp.int8)
         elif name.startswith("ln"):
             params[name] = jnp.full(shape, 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
         else:
@@ -1015,8 +1004,6 @@ class Test(NamedTuple):
     threshold: jax.Array  # () int32: z_(1 - alpha / 2) x spread(z_std), floored (z_thresholds)
     z_std: float  # Z's null std for this kind of parameter (null_std)
     weights: jax.Array  # (pairs,) int32: the pair weights Z was summed with
-    values: jax.Array  # the parameter's entries before the move, int8
-    matrix: bool
 
 
 class Rule(NamedTuple):
@@ -1069,8 +1056,6 @@ def momentum_step(z, state, test: Test, cfg: Config):
     <= 7 (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); a threshold
     of INT32_MAX (nothing moves) is divided by as INT32_MAX, not overflowed."""
     u = standardise(z, u_shift(test.z_std))
-    if cfg.decay_shift and test.matrix:
-        u = jnp.clip(u - round_shift(test.values, cfg.decay_shift), -INT8_MAX, INT8_MAX)
     m = state["m"].astype(i32) - round_shift(state["m"], cfg.momentum_shift) + u
     held = jnp.abs(m) // (jnp.minimum(test.threshold, INT32_MAX - 1) + 1)
     steps = jnp.minimum(held, cfg.max_step)
@@ -1103,7 +1088,7 @@ RULES = {
         reach=lambda z_reach, cfg: INT8_MAX << cfg.momentum_shift,
         tests="running sum |m|",
         state={"m": jnp.int16},
-        flags=("momentum_shift", "max_step", "decay_shift"),
+        flags=("momentum_shift", "max_step"),
     ),
 }
 
@@ -1225,8 +1210,7 @@ def apply_rule(params, rule_state, z: dict, weights, thresholds, cfg: Config):
     for name in PARAM_NAMES:
         kind = kind_of(name)
         mine = {slot: rule_state[f"{slot}/{name}"] for slot in rule.state}
-        test = Test(thresholds[kind], stds[kind], weights, params[name], name in MATRICES)
-        step, mine = rule.step(z[name], mine, test, cfg)
+        step, mine = rule.step(z[name], mine, Test(thresholds[kind], stds[kind], weights), cfg)
         new_state.update({f"{slot}/{name}": value for slot, value in mine.items()})
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
@@ -1330,8 +1314,6 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         n_layer=args.model.n_layer,
         n_embd=args.model.n_embd,
         init_std=args.model.init_std,
-        emb_std=args.model.emb_std,
-        branch_std=args.model.branch_std,
         residual_shift=args.model.residual_shift,
         rank=args.rank,
         use_clt=args.use_clt,
@@ -1340,7 +1322,6 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         momentum_shift=args.momentum_shift,
         max_step=args.max_step,
         null_from_scores=args.null_from_scores,
-        decay_shift=args.decay_shift,
         noise_reuse=args.noise_reuse,
         shared_pair_state=args.shared_pair_state,
         group_size=args.group_size,
