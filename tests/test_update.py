@@ -529,8 +529,8 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     assert resolved(8, n_embd=128, n_layer=6) == (2, 2) == resolved(8, n_embd=256, n_layer=6)
 
 
-def test_a_large_model_halves_its_blocks_outputs_unless_told():
-    """--residual_shift -1 resolves to 1 from run.LARGE_MODEL parameters, else 0; a given value
+def test_a_large_model_quarters_its_blocks_outputs_unless_told():
+    """--residual_shift -1 resolves to 2 from run.LARGE_MODEL parameters, else 0; a given value
     stands; a checkpoint records the resolved value; upstream's algorithm adds them whole."""
 
     def resolved(*flags):
@@ -541,7 +541,7 @@ def test_a_large_model_halves_its_blocks_outputs_unless_told():
         return cfg.residual_shift
 
     small, large = ["--n_embd", "128", "--n_layer", "4"], ["--n_embd", "128", "--n_layer", "6"]
-    assert resolved(*small) == 0 and resolved(*large) == 1 == resolved()  # 854,144; 1,248,384
+    assert resolved(*small) == 0 and resolved(*large) == 2 == resolved()  # 854,144; 1,248,384
     assert resolved(*small, "--residual_shift", "2") == 2
     assert resolved(*large, "--residual_shift", "0") == 0
     assert resolved("--algorithm", "upstream") == 0
