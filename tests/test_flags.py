@@ -69,6 +69,7 @@ def test_algorithm_upstream_sets_upstreams_values_of_flags_not_given():
         "shared_pair_state",
         "init_std",
         "max_step",
+        "residual_shift",
     }
     changed = {k for k, v in preset.items() if flags.value(ours, k) != v}
     assert changed == set(preset)  # each entry is a default that differs
