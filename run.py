@@ -1837,8 +1837,8 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     """Everything besides the generation counter that decides how a run trains (compared when it
     resumes): the flags whose facts say so, max_step and residual_shift as resolved, the total
-    population (members
-    per device x devices: the device count alone changes nothing) and the training bytes.
+    population (members per device x devices: the device count alone changes nothing) and the
+    training bytes.
     --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
     generation counter only, so a run may be extended."""
     settings = {k: v for k, v in flat(args).items() if facts_of(Args)[k].training}

@@ -115,4 +115,19 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
         )
     )
     assert result.stdout.rstrip("\n") == expected
+    # that checkpoint records no --residual_shift (run.SINCE: 0); one that records 2 samples with 2
+    shifted = {**model_flags, "residual_shift": 2}
+    states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
+    meta = {"format": 3, "args": model_flags, "training": shifted}
+    checkpoints.save_checkpoint(tmp_path / "shifted", params, {}, states, meta)
+    flags = ("--prompt", "import ", "--max_new_bytes", "30", "--seed", "4")
+    result = in_process(capsys, "--sample", "--resume", str(tmp_path / "shifted"), *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    quartered = run.sample_text(
+        params,
+        cfg._replace(residual_shift=2),
+        dataclasses.replace(args, prompt="import ", max_new_bytes=30),
+        seed=4,
+    )
+    assert result.stdout.rstrip("\n") == sampling.printable(quartered) != expected
     one_line_error(in_process(capsys, "--sample"), "--sample needs --resume")
