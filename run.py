@@ -102,7 +102,7 @@ class ModelFlags:
     """standard deviation of each matrix's first entries in int8 steps (real = q / 16; 0: zeros)"""
     residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0)] = -1
     """a block's GRU state and MLP output join the residual stream divided by 2**this (-1: 2 from
-    a million parameters, else 0)"""
+    100,000 parameters, else 0)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
     """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
 
@@ -268,12 +268,15 @@ AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds r
 # segments) or in a large model, one below (docs/results.org, "Population" and "The default
 # model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
 STEP2_PAIRS = 10_000
-# a large model (from this many parameters) moves up to two steps (--max_step 0) and its blocks'
-# outputs join the residual stream at a quarter (--residual_shift -1): both helped 256D-6L
-# (docs/results.org, "The default model"); below it both keep the bits every 64D-2L table was
-# measured with; nothing between their 131,648 and 4,856,064 parameters was measured
+# a large model (from this many parameters) moves up to two steps (--max_step 0): it helped
+# 256D-6L (docs/results.org, "The default model") and was level at 64D-2L; nothing between their
+# 131,648 and 4,856,064 parameters was measured
 LARGE_MODEL = 1_000_000
-LARGE_RESIDUAL_SHIFT = 2
+# from this many parameters the blocks' outputs join the residual stream at a quarter
+# (--residual_shift -1 resolves to QUARTER_SHIFT, else 0): lower on every text and seed at 256D-6L
+# and at 64D-2L (131,648), behind at the first run's one block, 32D-1L (28,832)
+QUARTER_MODEL = 100_000
+QUARTER_SHIFT = 2
 # odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
 SEGMENT_STEP = 0x9E3779B9
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
@@ -1345,8 +1348,8 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
     large = num_parameters(cfg) >= LARGE_MODEL
     two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
-    large_shift = LARGE_RESIDUAL_SHIFT if large else 0
-    shift = cfg.residual_shift if cfg.residual_shift >= 0 else large_shift
+    sized_shift = QUARTER_SHIFT if num_parameters(cfg) >= QUARTER_MODEL else 0
+    shift = cfg.residual_shift if cfg.residual_shift >= 0 else sized_shift
     return cfg._replace(max_step=args.max_step or (2 if two_steps else 1), residual_shift=shift)
 
 

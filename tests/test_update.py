@@ -529,8 +529,8 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     assert resolved(8, n_embd=128, n_layer=6) == (2, 2) == resolved(8, n_embd=256, n_layer=6)
 
 
-def test_a_large_model_quarters_its_blocks_outputs_unless_told():
-    """--residual_shift -1 resolves to 2 from run.LARGE_MODEL parameters, else 0; a given value
+def test_a_model_from_100000_parameters_quarters_its_blocks_outputs_unless_told():
+    """--residual_shift -1 resolves to 2 from run.QUARTER_MODEL parameters, else 0; a given value
     stands; a checkpoint records the resolved value; upstream's algorithm adds them whole."""
 
     def resolved(*flags):
@@ -540,8 +540,9 @@ def test_a_large_model_quarters_its_blocks_outputs_unless_told():
         assert identity["residual_shift"] == cfg.residual_shift
         return cfg.residual_shift
 
-    small, large = ["--n_embd", "128", "--n_layer", "4"], ["--n_embd", "128", "--n_layer", "6"]
-    assert resolved(*small) == 0 and resolved(*large) == 2 == resolved()  # 854,144; 1,248,384
+    small, quartered = ["--n_embd", "64", "--n_layer", "1"], ["--n_embd", "64", "--n_layer", "2"]
+    assert resolved(*small) == 0 and resolved(*quartered) == 2 == resolved()  # 82,240; 131,648
+    assert resolved("--n_embd", "32", "--n_layer", "1") == 0  # the first run's model
     assert resolved(*small, "--residual_shift", "2") == 2
-    assert resolved(*large, "--residual_shift", "0") == 0
+    assert resolved(*quartered, "--residual_shift", "0") == 0
     assert resolved("--algorithm", "upstream") == 0
