@@ -1346,9 +1346,9 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         and max(accumulator_bounds(cfg).values())[0] > INT32_MAX
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
-    large = num_parameters(cfg) >= LARGE_MODEL
-    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
-    sized_shift = QUARTER_SHIFT if num_parameters(cfg) >= QUARTER_MODEL else 0
+    parameters = num_parameters(cfg)
+    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or parameters >= LARGE_MODEL
+    sized_shift = QUARTER_SHIFT if parameters >= QUARTER_MODEL else 0
     shift = cfg.residual_shift if cfg.residual_shift >= 0 else sized_shift
     return cfg._replace(max_step=args.max_step or (2 if two_steps else 1), residual_shift=shift)
 
