@@ -158,8 +158,9 @@ class Args:
         "momentum"
     )
     """update rule (RULES): how an entry moves given its Z"""
-    momentum_shift: Annotated[int, *flag("[1, 7]", training=True, why=INT16)] = 2
-    """momentum: the running sum keeps 1 - 2**-shift of itself per generation"""
+    momentum_shift: Annotated[int, *flag("[0, 7]", training=True, why=INT16)] = 0
+    """momentum: the running sum keeps 1 - 2**-shift of itself per generation (0: 3 from 1M
+    parameters, else 2)"""
     max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
     """momentum: moves of up to this many steps (0: 2 from 10,000 pairs or 1M parameters, else 1)"""
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False)] = True
@@ -219,7 +220,7 @@ class Config(NamedTuple):
     use_clt: bool
     shaping: str  # an entry of SHAPINGS
     optimizer: str  # an entry of RULES
-    momentum_shift: int
+    momentum_shift: int  # --momentum_shift, 0 resolved by the parameters
     max_step: int  # --max_step, 0 resolved by the pairs an update weighs and the parameters
     null_from_scores: bool
     noise_reuse: int
@@ -268,10 +269,12 @@ AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds r
 # segments) or in a large model, one below (docs/results.org, "Population" and "The default
 # model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
 STEP2_PAIRS = 10_000
-# a large model (from this many parameters) moves up to two steps (--max_step 0): it helped
-# 256D-6L (docs/results.org, "The default model") and was level at 64D-2L; nothing between their
+# a large model (from this many parameters) moves up to two steps (--max_step 0), and its momentum
+# keeps 7/8 of itself a generation, not 3/4 (--momentum_shift 0: LARGE_SHIFT): each helped 256D-6L
+# (docs/results.org, "The default model"); two steps were level at 64D-2L; nothing between their
 # 131,648 and 4,856,064 parameters was measured
 LARGE_MODEL = 1_000_000
+LARGE_SHIFT, MOMENTUM_SHIFT = 3, 2
 # from this many parameters the blocks' outputs join the residual stream at a quarter
 # (--residual_shift -1 resolves to QUARTER_SHIFT, else 0): lower on every text and seed at 256D-6L
 # and at 64D-2L (131,648), behind at the first run's one block, 32D-1L (28,832)
@@ -1347,10 +1350,13 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
     parameters = num_parameters(cfg)
-    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or parameters >= LARGE_MODEL
+    large = parameters >= LARGE_MODEL
+    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
     sized_shift = QUARTER_SHIFT if parameters >= QUARTER_MODEL else 0
     shift = cfg.residual_shift if cfg.residual_shift >= 0 else sized_shift
-    return cfg._replace(max_step=args.max_step or (2 if two_steps else 1), residual_shift=shift)
+    memory = args.momentum_shift or (LARGE_SHIFT if large else MOMENTUM_SHIFT)
+    steps = args.max_step or (2 if two_steps else 1)
+    return cfg._replace(max_step=steps, residual_shift=shift, momentum_shift=memory)
 
 
 def replicas_of(args: Args) -> list[Replica]:
@@ -1839,16 +1845,16 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
 
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
     """Everything besides the generation counter that decides how a run trains (compared when it
-    resumes): the flags whose facts say so, max_step and residual_shift as resolved, the total
-    population (members per device x devices: the device count alone changes nothing) and the
-    training bytes.
+    resumes): the flags whose facts say so, max_step, residual_shift and momentum_shift as
+    resolved, the total population (members per device x devices: the device count alone changes
+    nothing) and the training bytes.
     --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
     generation counter only, so a run may be extended."""
     settings = {k: v for k, v in flat(args).items() if facts_of(Args)[k].training}
     # as JSON has them
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     fingerprint = corpus.fingerprint(data)
-    resolved = {"max_step": cfg.max_step, "residual_shift": cfg.residual_shift}
+    resolved = {k: getattr(cfg, k) for k in ("max_step", "residual_shift", "momentum_shift")}
     return {**settings, **resolved, "population": cfg.population, "data": fingerprint}
 
 

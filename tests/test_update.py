@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import statistics
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -529,20 +530,33 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
     assert resolved(8, n_embd=128, n_layer=6) == (2, 2) == resolved(8, n_embd=256, n_layer=6)
 
 
+def resolved_setting(name: str, *flags: str) -> int:
+    """A setting of these flags (population 8) as make_config resolves it, checked to be what a
+    checkpoint records."""
+    args = run.parse_args(["--parallel_generations_per_gpu", "8", *flags])
+    cfg = run.make_config(args)
+    identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
+    assert identity[name] == getattr(cfg, name)
+    return getattr(cfg, name)
+
+
 def test_a_model_from_100000_parameters_quarters_its_blocks_outputs_unless_told():
     """--residual_shift -1 resolves to 2 from run.QUARTER_MODEL parameters, else 0; a given value
     stands; a checkpoint records the resolved value; upstream's algorithm adds them whole."""
-
-    def resolved(*flags):
-        args = run.parse_args(["--parallel_generations_per_gpu", "8", *flags])
-        cfg = run.make_config(args)
-        identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
-        assert identity["residual_shift"] == cfg.residual_shift
-        return cfg.residual_shift
-
+    resolved = partial(resolved_setting, "residual_shift")
     small, quartered = ["--n_embd", "64", "--n_layer", "1"], ["--n_embd", "64", "--n_layer", "2"]
     assert resolved(*small) == 0 and resolved(*quartered) == 2 == resolved()  # 82,240; 131,648
     assert resolved("--n_embd", "32", "--n_layer", "1") == 0  # the first run's model
     assert resolved(*small, "--residual_shift", "2") == 2
     assert resolved(*quartered, "--residual_shift", "0") == 0
     assert resolved("--algorithm", "upstream") == 0
+
+
+def test_a_model_from_a_million_parameters_keeps_a_longer_momentum_unless_told():
+    """--momentum_shift 0 resolves to 3 from run.LARGE_MODEL parameters (m keeps 7/8 of itself a
+    generation), else 2 (3/4); a given value stands; a checkpoint records the resolved value."""
+    resolved = partial(resolved_setting, "momentum_shift")
+    assert resolved() == 3 == resolved("--n_embd", "128", "--n_layer", "6")  # 4,856,064; 1,248,384
+    assert resolved("--n_embd", "128", "--n_layer", "4") == 2  # 854,144
+    assert resolved("--n_embd", "64", "--n_layer", "2") == 2 == resolved("--momentum_shift", "2")
+    assert resolved("--n_embd", "64", "--n_layer", "2", "--momentum_shift", "4") == 4
