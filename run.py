@@ -270,11 +270,12 @@ AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds r
 # model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
 STEP2_PAIRS = 10_000
 # a large model (from this many parameters) moves up to two steps (--max_step 0), and its momentum
-# keeps 7/8 of itself a generation, not 3/4 (--momentum_shift 0: LARGE_SHIFT): each helped 256D-6L
-# (docs/results.org, "The default model"); two steps were level at 64D-2L; nothing between their
+# keeps 7/8 of itself a generation, not 3/4 (--momentum_shift 0): each helped 256D-6L
+# (docs/results.org, "The default model"); each was level at 64D-2L; nothing between their
 # 131,648 and 4,856,064 parameters was measured
 LARGE_MODEL = 1_000_000
-LARGE_SHIFT, MOMENTUM_SHIFT = 3, 2
+MOMENTUM_SHIFT = 2  # --momentum_shift 0 below LARGE_MODEL: m keeps 3/4 of itself a generation
+LARGE_MOMENTUM_SHIFT = 3  # from LARGE_MODEL: 7/8
 # from this many parameters the blocks' outputs join the residual stream at a quarter
 # (--residual_shift -1 resolves to QUARTER_SHIFT, else 0): lower on every text and seed at 256D-6L
 # and at 64D-2L (131,648), behind at the first run's one block, 32D-1L (28,832)
@@ -1354,7 +1355,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
     two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
     sized_shift = QUARTER_SHIFT if parameters >= QUARTER_MODEL else 0
     shift = cfg.residual_shift if cfg.residual_shift >= 0 else sized_shift
-    memory = args.momentum_shift or (LARGE_SHIFT if large else MOMENTUM_SHIFT)
+    memory = args.momentum_shift or (LARGE_MOMENTUM_SHIFT if large else MOMENTUM_SHIFT)
     steps = args.max_step or (2 if two_steps else 1)
     return cfg._replace(max_step=steps, residual_shift=shift, momentum_shift=memory)
 
