@@ -1453,6 +1453,7 @@ def parse_args(argv: list[str], cls: type | None = None) -> Args:
     if recorded:
         facts = facts_of(cls)
         recorded = {k: v for k, v in recorded.items() if k not in facts or facts[k].carried}
+        recorded = SINCE | recorded  # a setting that came later: as that run trained
         recorded["save_dir"] = str(folder.parent)
         # <runs_dir>/<run_name>/checkpoints: that run folder
         if folder.parent.name == "checkpoints":

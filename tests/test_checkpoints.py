@@ -283,6 +283,11 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     meta_path.write_text(json.dumps(meta))
     result = in_process(capsys, *base, "--residual_shift", "1")
     one_line_error(result, "was trained with other settings: --residual_shift 0 -> 1")
+    # and where its flags record none either, it continues with that value, not today's default
+    del meta["args"]["residual_shift"]
+    meta_path.write_text(json.dumps(meta))
+    assert run.parse_args(["--resume", str(meta_path.parent)]).model.residual_shift == 0
+    assert run.parse_args([]).model.residual_shift == -1
     meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
