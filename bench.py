@@ -460,7 +460,7 @@ def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
     weights = run.num_parameters(cfg) / members
     activations = 22 * n * cfg.n_layer + 2 * n + 2 * run.VOCAB
     factors = vectors = 0
-    for name in run.param_names(cfg):
+    for name in run.PARAM_NAMES:
         layers, shape = cfg.n_layer if name in run.BLOCK else 1, run.param_shape(name, cfg)
         if name in run.MATRICES:
             rows = 1 if name == "emb" else shape[0]

@@ -103,8 +103,6 @@ class ModelFlags:
     residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0)] = -1
     """a block's GRU state and MLP output join the residual stream divided by 2**this (-1: 2 from
     100,000 parameters, else 0)"""
-    head_bias: Annotated[bool, *flag(training=True)] = False
-    """a learned bias on the 256 logits (int8 at LOGIT_FRAC, from 0; measured, not adopted)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
     """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
 
@@ -218,7 +216,6 @@ class Config(NamedTuple):
     n_embd: int
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
     residual_shift: int  # --residual_shift, -1 resolved by the parameters
-    head_bias: bool
     rank: int
     use_clt: bool
     shaping: str  # an entry of SHAPINGS
@@ -251,7 +248,6 @@ WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activati
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
 GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
 LOGIT_FRAC = 4  # logits are log2-probabilities up to a constant: real = q / 2**4 bits
-assert LOGIT_FRAC == WEIGHT_FRAC  # the head bias, a vector parameter, is added to them as is
 LL_FRAC = 8  # log-likelihoods and fitness, in bits: real = q / 2**8
 EXP_FRAC = 20  # terms 2**(-d / 2**LOGIT_FRAC) of the log-sum-exp: real = q / 2**20, q <= 2**20
 MANT_BITS = 10  # log2 of the mantissa is read from a table of 2**10 int32 entries (4 KiB)
@@ -288,7 +284,7 @@ QUARTER_SHIFT = 2
 # odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
 SEGMENT_STEP = 0x9E3779B9
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
-PARAM_NAMES = ("emb", *BLOCK, "ln_out", "head", "head_bias")  # the order of the noise stream
+PARAM_NAMES = ("emb", *BLOCK, "ln_out", "head")  # the order of the noise stream and the counts
 MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 MATRIX, VECTOR = 0, 1  # the two kinds of parameter: index of their null std and threshold
 i32 = jnp.int32
@@ -297,11 +293,6 @@ i32 = jnp.int32
 def kind_of(name: str) -> int:
     """MATRIX or VECTOR: which null std and threshold of a (matrix, vector) pair it takes."""
     return MATRIX if name in MATRICES else VECTOR
-
-
-def param_names(cfg: Config) -> tuple[str, ...]:
-    """This configuration's parameters, in PARAM_NAMES's order: the head bias with --head_bias."""
-    return tuple(k for k in PARAM_NAMES if k != "head_bias" or cfg.head_bias)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -462,7 +453,7 @@ def make_sides(sigma_shifts_K, sides: int) -> Sides:
 def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
     """Shape of one parameter (one layer's, for block parameters); matrices are (out, in)."""
     n = cfg.n_embd
-    shapes = dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n), head_bias=(VOCAB,))
+    shapes = dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n))
     return shapes.get(name, (n, n) if name in MATRICES else (n,))
 
 
@@ -480,7 +471,7 @@ def init_params(cfg: Config, seed):
     tables = make_tables(cfg.rank)
     key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 0)  # 1: noise
     params = {}
-    for i, name in enumerate(param_names(cfg)):
+    for i, name in enumerate(PARAM_NAMES):
         shape = full_shape(name, cfg)
         if name in MATRICES:
             bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
@@ -658,7 +649,7 @@ def kernel_operands(params: dict, noise: dict | None) -> dict:
 def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
     """The Model of these parameters (each (K, ...)) and noise (each (K, D, ...), or None)."""
     model, model_noise = {}, {}
-    for name in param_names(cfg):
+    for name in PARAM_NAMES:
         nz, block = None if noise is None else noise[name], name in BLOCK
         if name in MATRICES:  # shared by every member of a replica
             model[name] = jnp.moveaxis(params[name], 1, 0) if block else params[name]
@@ -763,8 +754,6 @@ def token_logits(model: Model, states, tok_RxDxS):
         layers = jnp.arange(states.shape[0])
         x, (states, seen) = jax.lax.scan(layer, embedding, (states, layers))
     (logits,) = products(model, x, None, ("head",), gain="ln_out")
-    if "head_bias" in model.params:  # int8 at LOGIT_FRAC, as the logits
-        logits = clipped_add(logits, model.params["head_bias"])
     return logits, states, {"embedding": embedding, **seen, "logits": logits}
 
 
@@ -816,7 +805,7 @@ def forward(params, noise, states_KxMxLxE, inputs_MxT, targets_MxT, sigma_shifts
 def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
     """(parameter, shape, table) of each piece of a pair's noise, in stream order."""
     pieces = []
-    for name in param_names(cfg):
+    for name in PARAM_NAMES:
         layers = (cfg.n_layer,) if name in BLOCK else ()
         shape = param_shape(name, cfg)
         if name in MATRICES and cfg.rank:  # A, B
@@ -1199,7 +1188,7 @@ def z_statistic(noise, weights, cfg: Config):
 
 def z_statistics(noise, weights, cfg: Config) -> dict:
     """{parameter: Z} of these pairs' noise (leading axis: the pairs) and weights (pairs,)."""
-    return {name: z_statistic(noise[name], weights, cfg) for name in param_names(cfg)}
+    return {name: z_statistic(noise[name], weights, cfg) for name in PARAM_NAMES}
 
 
 def pair_weights(scores, cfg: Config):
@@ -1215,7 +1204,7 @@ def init_state(cfg: Config) -> dict:
     return {
         f"{slot}/{k}": jnp.zeros(full_shape(k, cfg), dtype)
         for slot, dtype in slots.items()
-        for k in param_names(cfg)
+        for k in PARAM_NAMES
     }
 
 
@@ -1227,7 +1216,7 @@ def apply_rule(params, rule_state, z: dict, weights, thresholds, cfg: Config):
     int32; the host adds them up)."""
     rule, stds = RULES[cfg.optimizer], null_std(cfg)
     new, new_state, moved = {}, {}, []
-    for name in param_names(cfg):
+    for name in PARAM_NAMES:
         kind = kind_of(name)
         mine = {slot: rule_state[f"{slot}/{name}"] for slot in rule.state}
         step, mine = rule.step(z[name], mine, Test(thresholds[kind], stds[kind], weights), cfg)
@@ -1285,7 +1274,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         x_b, u_a, z_matrix = 0, INT8_MAX * a_max * n_in, z_vector
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     squares = noise_pairs(cfg) * (repeats * shaping.largest) ** 2
-    largest = max(math.prod(param_shape(k, cfg)) for k in param_names(cfg))
+    largest = max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES)
     smaller, tokens = fewer_pairs(cfg), "a smaller --tokens_per_update"
     bounds = {
         "matmul accumulator x W^T + sigma x E^T": (
@@ -1308,7 +1297,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
 
 def num_parameters(cfg: Config) -> int:
     """Parameters of one model."""
-    return sum(math.prod(full_shape(k, cfg)) for k in param_names(cfg))
+    return sum(math.prod(full_shape(k, cfg)) for k in PARAM_NAMES)
 
 
 def product_engine(flag: str, platform: str, rank: int) -> str:
@@ -1335,7 +1324,6 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         n_embd=args.model.n_embd,
         init_std=args.model.init_std,
         residual_shift=args.model.residual_shift,
-        head_bias=args.model.head_bias,
         rank=args.rank,
         use_clt=args.use_clt,
         shaping=args.shaping,
@@ -1526,9 +1514,7 @@ def noise_sources(cfg: Config, seeds, generation, start):
                 found = jax.vmap(partial(z_statistics, cfg=cfg))(noise, weights[:, segment])
                 return jax.tree.map(jnp.add, z, found), None
 
-            zero = {
-                k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in param_names(cfg)
-            }
+            zero = {k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in PARAM_NAMES}
             return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
 
         return noise_of, z_of
@@ -1887,12 +1873,12 @@ def rule_conditions() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def expected_arrays(cfg: Config) -> checkpoints.Expected:
     """What a run of this configuration reads from a checkpoint (egg/checkpoints.py)."""
-    params = {k: (full_shape(k, cfg), np.int8) for k in param_names(cfg)}
+    params = {k: (full_shape(k, cfg), np.int8) for k in PARAM_NAMES}
     slots = RULES[cfg.optimizer].state.items()
     state = {
         f"{slot}/{k}": (full_shape(k, cfg), np.dtype(dtype))
         for slot, dtype in slots
-        for k in param_names(cfg)
+        for k in PARAM_NAMES
     }
     states = ((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
     return checkpoints.Expected(
@@ -1973,7 +1959,7 @@ def diagnose(cfg: Config, params, moved: np.ndarray, data: Data) -> list[dict]:
     """diag/ metrics of every replica (egg/diagnostics.py), from the activations of 16 validation
     rows of 64 bytes, the parameters and the moved counts (K, tensors). Sync point."""
     shape = partial(full_shape, cfg=cfg)
-    tensors = {k: (shape(k)[0] if k in BLOCK else 1, math.prod(shape(k))) for k in param_names(cfg)}
+    tensors = {k: (shape(k)[0] if k in BLOCK else 1, math.prod(shape(k))) for k in PARAM_NAMES}
     found = []
     for k in range(cfg.replicas):
         model = jax.tree.map(host_copy, replica_of(params, k))
@@ -2212,10 +2198,7 @@ def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by --resume's model (a stop signal: Stopped)."""
     check_ranges(args)
     with StopSignal() as stop:  # from here on a stop signal ends it in one line, the model loaded
-        which, shape = (
-            args.sampling.sample_replica,
-            ("n_embd", "n_layer", "residual_shift", "head_bias"),
-        )
+        which, shape = args.sampling.sample_replica, ("n_embd", "n_layer", "residual_shift")
         folder = run_folders(args).checkpoints
         found = resume.sampled(args.checkpoints.resume, folder, which, shape, SINCE)
         cfg = make_config(single_run(args, **{k: found.training[k] for k in shape}))

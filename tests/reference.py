@@ -140,12 +140,7 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_sh
         a = layer_norm(x, vec("ln2"))
         x = clip8(x + round_half_away(mm(mm(a, "W1"), "W2"), residual_shift))
     x = layer_norm(x, perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift))
-    logits = matmul(x, params["head"], nz("head"), sign, sigma_shift)
-    if "head_bias" in params:
-        logits = clip8(
-            logits + perturbed_vector(params["head_bias"], nz("head_bias"), sign, sigma_shift)
-        )
-    return logits, h
+    return matmul(x, params["head"], nz("head"), sign, sigma_shift), h
 
 
 def member_fitness(

@@ -357,7 +357,7 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
         step, (params, run.init_state(cfg), states), batch, 4, thresholds(args, cfg, 4), 0, 3
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
-        for name in run.param_names(cfg):
+        for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(f[name], params[name], err_msg=name)
     with np.load(folder / "gen-00000005" / "states.npz") as f:
         np.testing.assert_array_equal(f["states"], states)
@@ -413,13 +413,13 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     cfg, params, opt, states = tiny_model()
     checkpoints.save_checkpoint(tmp_path / "c", params, opt, states, {"generation": 5})
     with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
-        assert sorted(f.files) == sorted(run.param_names(cfg)) and f["Wf"].dtype == np.int8
+        assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
     loaded, loaded_states, loaded_opt, _ = load(tmp_path / "c", cfg)
     with np.load(tmp_path / "c" / "optimizer.npz") as f:
         assert (
-            sorted(f.files) == sorted(f"m/{k}" for k in run.param_names(cfg))
+            sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES)
             and f["m/Wf"].dtype == np.int16
         )
     # a single model's file comes back with the run's replica axis of 1

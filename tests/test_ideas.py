@@ -61,9 +61,7 @@ def test_a_new_shaping_and_rule_are_flags_with_derived_thresholds_and_bounds(ide
     ztest = run.make_config(flags.replace(args, optimizer="ztest"))
     np.testing.assert_array_equal(run.z_thresholds(cfg, 0.1), run.z_thresholds(ztest, 0.1))
     state = run.init_state(cfg)
-    assert state["t/Wf"].dtype == jnp.int8 and set(state) == {
-        f"t/{k}" for k in run.param_names(cfg)
-    }
+    assert state["t/Wf"].dtype == jnp.int8 and set(state) == {f"t/{k}" for k in run.PARAM_NAMES}
 
 
 def test_a_new_shaping_and_rule_train_save_and_resume_bit_for_bit(ideas, tmp_path, capsys):

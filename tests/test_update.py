@@ -113,12 +113,10 @@ def test_update_equals_slow_numpy_reference(overrides):
     got, _, moved = es_update(params, {}, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
     want = reference_update(params, noise, scores, thresholds, c)
     changed = 0
-    for name in run.param_names(c):
+    for name in run.PARAM_NAMES:
         np.testing.assert_array_equal(np.asarray(got[name]), want[name], err_msg=name)
         changed += int(np.sum(want[name] != np.asarray(params[name])))
-    assert int(np.sum(moved)) == changed > 0 and moved.shape == (
-        1 + 10 * c.n_layer + 2 + c.head_bias,
-    )
+    assert int(np.sum(moved)) == changed > 0 and moved.shape == (1 + 10 * c.n_layer + 2,)
 
 
 def test_fast_fitness_is_the_sign_of_the_pair_difference():
@@ -386,7 +384,7 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
                 longest = max(longest, abs(step))
         for key in state:
             np.testing.assert_array_equal(state[key], ref_state[key], err_msg=key)
-        for name in run.param_names(c):
+        for name in run.PARAM_NAMES:
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
     # moves of several steps were made, and only where allowed
