@@ -361,8 +361,8 @@ def log2_likelihood(logits, target, tables: Tables):
     term <= 2**20 and the largest exactly 2**20, so 2**20 <= s <= 2**28. log2 s = e + log2(1 + m)
     with e the top bit (count leading zeros) and m the next MANT_BITS bits, read from a table.
     """
+    top = jnp.max(logits, axis=-1, keepdims=True).astype(i32)  # on int8: a quarter of the bytes
     logits = logits.astype(i32)
-    top = jnp.max(logits, axis=-1, keepdims=True)
     d = top - logits
     s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4), axis=-1)
     exponent = 31 - jax.lax.clz(s)  # in [20, 28]
