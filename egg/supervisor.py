@@ -65,15 +65,21 @@ def relay_stderr(child) -> list[str]:
     progress bar's line) what the child writes is held: passed on, in order, once the child shows
     it goes on (a progress bar's update) or after HOLD_SECONDS without more (the error was not
     fatal); returned where the child ends first (JAX's account of a lost process, which the
-    supervisor says in one line instead)."""
+    supervisor says in one line instead). Once JAX says it terminates the process, everything is
+    held to the child's end: a slow death (a loaded machine) or a progress bar's update from the
+    training thread before JAX ends it does not set the account free."""
     held, pending, ended = [], b"", True  # ended: the last line written has its newline
 
     def release():
         sys.stderr.buffer.write("".join(f"{text}\n" for text in held).encode())
         held.clear()
 
+    def fatal() -> bool:  # JAX ends the child: hold everything to its end
+        return any(JAX_TERMINATES in text for text in held)
+
     while True:
-        if not select.select([child.stderr], [], [], HOLD_SECONDS if held else None)[0]:
+        wait = HOLD_SECONDS if held and not fatal() else None
+        if not select.select([child.stderr], [], [], wait)[0]:
             release()  # nothing after it: not fatal
             sys.stderr.flush()
             continue
@@ -89,14 +95,14 @@ def relay_stderr(child) -> list[str]:
                 sys.stderr.write(text[: error.start()] + "\n")
                 text, ended = text[error.start() :], True
             jax_error = error is not None and text.startswith(error.group(0))
-            if held and text.startswith("\r") and not jax_error:  # a progress bar: it goes on
+            if held and text.startswith("\r") and not jax_error and not fatal():  # it goes on
                 release()
             if held or jax_error:
                 held.append(text)
                 continue
             sys.stderr.buffer.write(line + b"\n")
             ended = True
-        if pending.startswith(b"\r"):  # a progress bar's update, no newline: the child goes on
+        if pending.startswith(b"\r") and not fatal():  # a progress bar's update: it goes on
             release()
             sys.stderr.buffer.write(pending)
             pending, ended = b"", False

@@ -316,6 +316,29 @@ def test_the_supervisor_passes_a_childs_stderr_through_as_it_comes_but_a_fatal_j
     assert done.stdout.decode().strip() == repr(fatal)
 
 
+def test_a_fatal_jax_account_is_held_to_the_childs_end_however_slowly_it_dies():
+    """Once JAX says it terminates the child, the account is held though the child is silent for
+    longer than HOLD_SECONDS (a loaded machine) and its training thread updates the progress bar
+    before JAX ends it: the supervisor then says it in one line, not the raw log."""
+    fatal = [
+        "E1126 10:00:00.000000   12 coordination_service_agent.cc:42] heartbeat timeout",
+        "F1126 10:00:01.000000   12 client.h:80] " + supervisor.JAX_TERMINATES,
+    ]
+    script = (
+        "import sys, time; w = sys.stderr.write; w('first line\\n'); "
+        f"w({chr(10).join(fatal) + chr(10)!r}); sys.stderr.flush(); time.sleep(1); "
+        "w('\\r 70%|bar|'); sys.stderr.flush(); time.sleep(1); w('@ 0x7f3 abort()\\n')"
+    )
+    relay = (
+        "import subprocess, sys; from egg import supervisor; supervisor.HOLD_SECONDS = 0.2; "
+        f"child = subprocess.Popen([sys.executable, '-c', {script!r}], stderr=subprocess.PIPE); "
+        "held = supervisor.relay_stderr(child); child.wait(); print(held)"
+    )
+    done = subprocess.run([sys.executable, "-c", relay], cwd=ROOT, capture_output=True)
+    assert done.stderr.decode() == "first line\n", done.stderr
+    assert done.stdout.decode().strip() == repr([*fatal, "\r 70%|bar|@ 0x7f3 abort()"])
+
+
 def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_another_layout(tmp_path):
     """2 processes x 2 devices, --heartbeat_timeout 5: process 1's launcher (its supervisor) alone
     is SIGKILLed once a checkpoint of generation 8 exists, as a scheduler or a user kills the PID it
