@@ -1,5 +1,4 @@
-"""egg-jax: pretrain an int8 minGRU byte language model with integer-only EGGROLL evolution
-strategies.
+"""egg-jax: pretrain an int8 byte language model with integer-only EGGROLL evolution strategies.
 
     python run.py --data stdlib --n_embd 64 --n_layer 2 --parallel_generations_per_gpu 256
     python run.py --data my_corpus.txt --validate_every 50
@@ -9,19 +8,22 @@ strategies.
 Weights, activations and hidden states are int8; products accumulate in int32; every rescale is a
 shift, a clip to [-127, 127], a constant fixed-point multiplier or a small table. Training uses no
 gradients and no floating point: each generation evaluates a population of low-rank antithetic
-perturbations (noise from a counter-based RNG, never stored), shapes each pair's fitness
-difference into an int8 score, and moves each parameter by whole steps where a test on the
-score-weighted noise passes. One compiled step trains K >= 1 models side by side (--replicas):
-every array of a run has a leading replica axis, and a single run is K = 1.
+perturbations (noise from a counter-based RNG, never stored), shapes each pair's fitness into an
+int8 score, and moves each parameter by whole steps where a test on the score-weighted noise
+passes. One compiled step trains K >= 1 models side by side (--replicas): the method is written
+for one model, and every_replica adds the replica axis, in one place.
 
 This file is the method, top to bottom, one ruler per section: flags, formats, integer math,
-model, forward, noise, fitness shapings, update rules, integer ranges, generation step, data,
-reading a model, loop, and main. Importing it does nothing: `python run.py` calls main().
+products, models, forward, noise, fitness shapings, update rules, integer ranges, generation step,
+data, reading a model, loop, and main. Importing it does nothing: `python run.py` calls main().
 
-Trying an idea is one entry in a table: a fitness shaping in SHAPINGS, an update rule in RULES
-(docs/design.org, "Trying an idea"). Beside this file, egg/ holds the tools a run uses (its
-__init__.py lists them: checkpoints, corpora, processes and signals, the record, PBT, the GPU
-product kernel...), which take values and never import this file; bench.py, compare.py,
+A model, a fitness shaping and an update rule are each an entry in a table (MODELS, SHAPINGS,
+RULES) that carries all the rest derives from it, its own flags included (docs/design.org, "Trying
+an idea"). The reference path reads alone; each fast path is chosen in one named place: the GPU
+product kernel (products), layers unrolled for a GPU's graphs (each_layer), noise built a segment
+at a time (noise_sources). Beside this file, egg/ holds the tools a run uses (its __init__.py
+lists them: the command line, checkpoints, corpora, processes and signals, the record, PBT, the
+GPU product kernel...), which take values and never import this file; bench.py, compare.py,
 scripts/ and baselines/ import it.
 """
 
@@ -29,13 +31,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import replace as replaced
 from functools import cache, partial
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ from egg import (
     UserError,
     checkpoints,
     cluster,
+    command,
     corpus,
     diagnostics,
     kernel,
@@ -52,21 +55,21 @@ from egg import (
     record,
     resume,
     sampling,
-    supervisor,
 )
 from egg.cluster import StopSignal, awaiting_jax_verdict, global_array, host_copy, local_copy
-from egg.files import EX_IOERR, NoRoom, own
+from egg.files import own
 from egg.flags import (
     aliases,
-    check_range,
     check_ranges,
+    conditions,
+    entry_flags,
     facts_of,
     flag,
-    flag_given,
     flat,
-    parse,
+    gathered,
     replace,
     section,
+    since,
 )
 from egg.hlo import compile_now
 from egg.pbt import Replica
@@ -75,16 +78,17 @@ from egg.pbt import Replica
 # Flags. Each flag's facts (its range or its choices, whether it changes training, upstream
 # nano-egg's value) are written once, beside it (egg/flags.py): the checks, the resume comparison,
 # the --algorithm upstream preset and --help derive from them. The tools' flags are groups of
-# their own (egg/), each shown apart in --help under its name; every flag is still --NAME.
+# their own (egg/), each shown apart in --help under its name; so are a model's, a shaping's and a
+# rule's own flags, declared beside its entry and gathered with these into Args (after the tables).
+# Every flag is still --NAME.
 
 ROUNDS_TO_ZERO = (
     "from 7 on every bias and gain perturbation rounds to 0 (the noise table's |entries| <= 46)"
 )
-INT16 = "its running sum is int16"
 
 
 def entries(table: str) -> Callable[[], tuple[str, ...]]:
-    """A flag's choices: the names of a table's entries (SHAPINGS, RULES: below), when asked."""
+    """A flag's choices: the names of a table's entries (MODELS, SHAPINGS, RULES), when asked."""
     return lambda: tuple(globals()[table])
 
 
@@ -94,22 +98,25 @@ FAST_FITNESS = ("fast_fitness", ((True, "sign"), (False, "normalised")))
 
 @dataclass(frozen=True)
 class ModelFlags:
+    model: Annotated[str, *flag(training=True, choices=entries("MODELS"), before="egg")] = "egg"
+    """the model (MODELS): egg, nano-egg's minGRU"""
     n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
-    """number of minGRU blocks"""
+    """number of blocks"""
     n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
     """width of the residual stream (a multiple of 4)"""
     init_std: Annotated[int, *flag("[0, 32]", upstream=16, why="16: upstream's N(0, 1)")] = 4
     """standard deviation of each matrix's first entries in int8 steps (real = q / 16; 0: zeros)"""
-    residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0)] = -1
-    """a block's GRU state and MLP output join the residual stream divided by 2**this (-1: 2 from
-    100,000 parameters, else 0)"""
+    residual_shift: Annotated[int, *flag("[-1, 7]", training=True, upstream=0, before=0)] = -1
+    """a block's outputs join the residual stream divided by 2**this (-1: 2 from 100,000
+    parameters, else 0)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
     """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
 
 
 @dataclass(frozen=True)
-class Args:
-    """egg-jax's flags. options: the run, population, EGGROLL, validation; then the model, tools."""
+class RunFlags:
+    """egg-jax's flags. options: the run, population, EGGROLL, validation; then the model, the
+    tables' entries' own, the tools."""
 
     seed: Annotated[int, *flag("[0, inf)", training=True)] = 0
     """seed of the initial parameters and of every perturbation (replica k: seed + k)"""
@@ -149,7 +156,7 @@ class Args:
         str,
         *flag(training=True, upstream="sign", choices=entries("SHAPINGS"), alias=FAST_FITNESS),
     ] = "normalised"
-    """fitness shaping (SHAPINGS): a pair's int8 score from its fitness difference"""
+    """fitness shaping (SHAPINGS): each antithetic pair's int8 score from its two fitnesses"""
     noise_reuse: Annotated[int, *flag("[0, inf)", training=True)] = 1
     """generations that share one set of perturbations (0: one set for the whole run)"""
     num_perturbations: Annotated[int, *flag("[0, inf)", training=True)] = 0
@@ -158,15 +165,8 @@ class Args:
         "momentum"
     )
     """update rule (RULES): how an entry moves given its Z"""
-    momentum_shift: Annotated[int, *flag("[0, 7]", training=True, why=INT16)] = 0
-    """momentum: the running sum keeps 1 - 2**-shift of itself per generation (0: 3 from 1M
-    parameters, else 2)"""
-    max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
-    """momentum: moves of up to this many steps (0: 2 from 10,000 pairs or 1M parameters, else 1)"""
     shared_pair_state: Annotated[bool, *flag(training=True, upstream=False)] = True
     """both members of an antithetic pair start each generation from one hidden state, their mean"""
-    null_from_scores: Annotated[bool, *flag(training=True)] = False
-    """ztest: scale the null std by sqrt(this generation's sum of squared scores / its null mean)"""
 
     # validation
     validate_every: Annotated[int, *flag("[0, inf)")] = 0
@@ -178,7 +178,7 @@ class Args:
 
     # the model's flags, and the tools' (egg/), each group under its name in --help
     model: Annotated[ModelFlags, *section()] = ModelFlags()
-    """the int8 minGRU: its shape, its start, how its products run"""
+    """the model: which, its shape, its start, how its products run"""
     corpus: Annotated[corpus.Flags, *section()] = corpus.Flags()
     """the training and validation bytes"""
     pbt: Annotated[pbt.Flags, *section()] = pbt.Flags()
@@ -195,35 +195,25 @@ class Args:
     """the int8 activations' and parameters' health"""
 
 
-# Variants measured and not adopted (docs/results.org, "Tried, not adopted"): their code left after
-# commit RETIRED_AFTER, which has it. A run (or a checkpoint) that asks for one is refused in one
-# line.
-RETIRED_AFTER = "13a656d"
-RETIRED_FLAGS = ("mlp_relu", "scale_shift")  # flags that went with their variant
-RETIRED_SETTINGS = {"optimizer": "adam", "mlp_relu": True}  # a setting's value that went
-# Training settings that came after checkpoints began to record theirs (format 3), with the value
-# every checkpoint that records none was trained with: such a checkpoint resumes and samples as it
-# trained (a resolved value that differs now is a change, refused in one line as any is)
-SINCE = {"residual_shift": 0}
-
-
 class Config(NamedTuple):
     """The static settings of the jitted functions (hashable): the flags they read, under the same
-    names, and what make_config (below) derives from the flags and the devices. What differs
-    between replicas (seed, alpha, sigma_shift) is not here: the step takes it as arrays."""
+    names where they keep them, each resolved where a flag lets the run choose, and what make_config
+    (in "Integer ranges") derives from the flags and the devices. What differs between replicas
+    (seed, alpha, sigma_shift) is not here: the step takes it as arrays."""
 
+    model: str  # an entry of MODELS (--model)
     n_layer: int
     n_embd: int
     init_std: int  # matrices' initial standard deviation in steps at WEIGHT_FRAC
     residual_shift: int  # --residual_shift, -1 resolved by the parameters
+    model_flags: Any  # the model's own flags (its entry's flags dataclass), or None
     rank: int
     use_clt: bool
     shaping: str  # an entry of SHAPINGS
-    optimizer: str  # an entry of RULES
-    momentum_shift: int  # --momentum_shift, 0 resolved by the parameters
-    max_step: int  # --max_step, 0 resolved by the pairs an update weighs and the parameters
-    null_from_scores: bool
-    noise_reuse: int
+    shaping_flags: Any  # the shaping's own flags, or None
+    rule: str  # an entry of RULES (--optimizer)
+    rule_flags: Any  # the rule's own flags, resolved where the rule chooses (Rule.resolve), or None
+    noise_reuse: int | None  # generations that share one set of perturbations (None: the whole run)
     shared_pair_state: bool
     group_size: int
     tokens: int  # --tokens_per_update
@@ -233,8 +223,10 @@ class Config(NamedTuple):
     distinct_pairs: int  # pairs with their own noise; members p and p + 2 * distinct_pairs share it
     devices: int  # devices the population is spread over, parallel_generations_per_gpu each
     replicas: int  # K: the leading axis of every parameter, state and per-replica input
-    kernels: str  # who computes the products: "xla", "pallas" (egg/kernel.py) or "interpret"
-    noise_per_segment: bool  # build each segment's noise where it is used, twice (a GPU's memory)
+    # the fast paths, each chosen by make_config and taken in one place
+    kernels: str  # who computes the products (products): "xla", "pallas" or "interpret"
+    unrolled: bool  # the layers unrolled, each state its own buffer (each_layer): a GPU's graphs
+    noise_per_segment: bool  # each segment's noise built where used, twice (noise_sources): a GPU's
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +238,7 @@ INT8_MAX = 127  # int8 tensors live in the symmetric range [-127, 127]
 INT32_MAX = 2**31 - 1
 WEIGHT_FRAC = 4  # weights, embeddings, layer-norm gains and normalised activations: real = q / 2**4
 NOISE_FRAC = 4  # noise entries: real = q / 2**4, standard deviation ~1
-GATE_BITS = 8  # GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
+GATE_BITS = 8  # a GRU gate g = f + 127 in [0, 254]: the fraction g / 2**8 of the new state to take
 LOGIT_FRAC = 4  # logits are log2-probabilities up to a constant: real = q / 2**4 bits
 LL_FRAC = 8  # log-likelihoods and fitness, in bits: real = q / 2**8
 EXP_FRAC = 20  # terms 2**(-d / 2**LOGIT_FRAC) of the log-sum-exp: real = q / 2**20, q <= 2**20
@@ -257,6 +249,7 @@ GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed 
 FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
 U_STD_BITS = 4  # momentum: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
+GAIN_ONE = 2**WEIGHT_FRAC  # a layer norm's gain of 1.0, where each starts
 # every int8 product sums at least this many terms, zeros padding a shorter one (deepened): a GPU's
 # int8 dot is 32 deep (Hopper's MMA), and XLA's 16-deep ones were wrong on an H200 (docs/gpu.org)
 DOT_DEPTH = 32
@@ -264,18 +257,8 @@ DOT_DEPTH = 32
 # cuBLAS, not to XLA's Triton GEMMs, which summed some of them wrongly on an H200 (JAX 0.11.2;
 # docs/gpu.org). No effect on a CPU.
 FULL_RANK_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+GPUS = ("gpu", "cuda", "rocm")  # JAX's names of the platforms the fast paths are for
 AUTO_SEGMENTS = 10  # --segments 0: this many, or fewer where the int32 bounds require it
-# --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
-# segments) or in a large model, one below (docs/results.org, "Population" and "The default
-# model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
-STEP2_PAIRS = 10_000
-# a large model (from this many parameters) moves up to two steps (--max_step 0), and its momentum
-# keeps 7/8 of itself a generation, not 3/4 (--momentum_shift 0): each helped 256D-6L
-# (docs/results.org, "The default model"); each was level at 64D-2L; nothing between their
-# 131,648 and 4,856,064 parameters was measured
-LARGE_MODEL = 1_000_000
-MOMENTUM_SHIFT = 2  # --momentum_shift 0 below LARGE_MODEL: m keeps 3/4 of itself a generation
-LARGE_MOMENTUM_SHIFT = 3  # from LARGE_MODEL: 7/8
 # from this many parameters the blocks' outputs join the residual stream at a quarter
 # (--residual_shift -1 resolves to QUARTER_SHIFT, else 0): lower on every text and seed at 256D-6L
 # and at 64D-2L (131,648), behind at the first run's one block, 32D-1L (28,832)
@@ -283,18 +266,8 @@ QUARTER_MODEL = 100_000
 QUARTER_SHIFT = 2
 # odd (2**32 / golden ratio): segment s's words are segment 0's plus s times this, remixed
 SEGMENT_STEP = 0x9E3779B9
-BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")  # stacked on a layer axis
-PARAM_NAMES = ("emb", *BLOCK, "ln_out", "head")  # the order of the noise stream and the counts
-MATRICES = ("emb", "Wf", "Uf", "Wh", "Uh", "W1", "W2", "head")  # everything else is a vector
 MATRIX, VECTOR = 0, 1  # the two kinds of parameter: index of their null std and threshold
 i32 = jnp.int32
-
-
-def kind_of(name: str) -> int:
-    """MATRIX or VECTOR: which null std and threshold of a (matrix, vector) pair it takes."""
-    return MATRIX if name in MATRICES else VECTOR
-
-
 # ------------------------------------------------------------------------------------------------
 # Integer math. In JAX `>>` on signed integers floors (rounds toward minus infinity).
 
@@ -426,80 +399,52 @@ def scale_by_root(threshold, s, s_null: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# Model: EGG, an int8 minGRU language model, evaluated for many members at once.
-#
-# Axes, in this order wherever they meet (a name's suffix, x_KxRxDxSxE, gives its shape): K
-# replicas; the members of a replica as R repeats (members sharing a noise, R > 1 only under
-# --num_perturbations) x D distinct pairs x S sides (S = 2: side 0 adds its pair's noise, side 1
-# subtracts it; S = 1 noise-free), M = R D S of them (forward builds this layout); L layers; E the
-# width (--n_embd); V = 256 bytes; T bytes of a sequence. Parameters carry K; noise carries (K, D).
+# Products: how one replica's members read its parameters. Every model is written for one replica
+# (every_replica adds the replica axis). Its members are laid out on the axes (R, D, S), in this
+# order wherever they meet (a name's suffix, x_RxDxSxE, gives its shape): R repeats (members
+# sharing a noise, R > 1 only under --num_perturbations) x D distinct pairs x S sides (S = 2: side
+# 0 adds its pair's noise, side 1 subtracts it; S = 1 noise-free). A matrix is shared by every
+# member and perturbed inside the product by its pair's low-rank factors A (D, m, r), B (D, n, r),
+# never built; a vector is each member's own copy, perturbed by its pair's full noise. L layers, E
+# the width (--n_embd), V = 256 bytes, T bytes of a sequence.
+
+
+class Parameter(NamedTuple):
+    """What the rest derives from one of a model's parameters (Model.parameters)."""
+
+    shape: tuple[int, ...]  # one layer's; a matrix is (out, in)
+    layered: bool  # stacked on a leading n_layer axis
+    matrix: bool  # perturbed by low-rank factors A B^T, else (a vector) by full-shape noise
+    start: (
+        int | None
+    )  # every entry's first value, int8; None: ~ N(0, init_std**2) steps (init_params)
 
 
 class Sides(NamedTuple):
-    """How the noise enters the members, broadcast against their axes (K, R, D, S): sign_1x1x1xS
-    int32, +1 or -1 per side; shift_Kx1x1x1 int32, each replica's sigma_shift (traced: a shift by an
-    amount known at run time is the same integer operation)."""
+    """How the noise enters the members, broadcast against their axes (R, D, S): sign_1x1xS int32,
+    +1 or -1 per side; shift () int32, the replica's sigma_shift (traced: a shift by an amount known
+    at run time is the same integer operation)."""
 
     sign: jax.Array
     shift: jax.Array
 
 
-def make_sides(sigma_shifts_K, sides: int) -> Sides:
-    """Sides of S = `sides` (2: antithetic pairs, 1: noise-free) for these replicas' shifts."""
-    sign = jnp.array([1, -1][:sides], i32).reshape(1, 1, 1, sides)
-    return Sides(sign, sigma_shifts_K.reshape(-1, 1, 1, 1))
-
-
-def param_shape(name: str, cfg: Config) -> tuple[int, ...]:
-    """Shape of one parameter (one layer's, for block parameters); matrices are (out, in)."""
-    n = cfg.n_embd
-    shapes = dict(emb=(VOCAB, n), W1=(4 * n, n), W2=(n, 4 * n), head=(VOCAB, n))
-    return shapes.get(name, (n, n) if name in MATRICES else (n,))
-
-
-def full_shape(name: str, cfg: Config) -> tuple[int, ...]:
-    """Shape of a parameter as stored: block parameters have a leading n_layer axis."""
-    layers = (cfg.n_layer,) if name in BLOCK else ()
-    return layers + param_shape(name, cfg)
-
-
-def init_params(cfg: Config, seed):
-    """One model's parameters from its seed, a dict of int8 arrays. Matrices are (out, in) with
-    entries ~ N(0, s^2) at WEIGHT_FRAC, s = init_std, drawn from the same quantile table as the
-    noise (std 2**NOISE_FRAC, |entries| <= 46) and scaled by s / 2**NOISE_FRAC, rounded half away
-    from zero: |q| <= 46 x 32 / 16 = 92 at s <= 32 (no floating point)."""
-    tables = make_tables(cfg.rank)
-    key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 0)  # 1: noise
-    params = {}
-    for i, name in enumerate(PARAM_NAMES):
-        shape = full_shape(name, cfg)
-        if name in MATRICES:
-            bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
-            gauss = jnp.asarray(tables.gauss)[bits].astype(i32)
-            params[name] = round_shift(gauss * cfg.init_std, NOISE_FRAC).astype(jnp.int8)
-        elif name.startswith("ln"):
-            params[name] = jnp.full(shape, 2**WEIGHT_FRAC, jnp.int8)  # gain 1.0
-        else:
-            params[name] = jnp.zeros(shape, jnp.int8)  # bias 0
-    return params
-
-
-def members(x_K):
-    """A replica-shaped array (K, ...) with the members' axes (R, D, S) inserted, of size 1."""
-    return x_K[:, None, None, None]
+def make_sides(sigma_shift, sides: int) -> Sides:
+    """Sides of S = `sides` (2: antithetic pairs, 1: noise-free) for this replica's shift."""
+    return Sides(
+        jnp.array([1, -1][:sides], i32).reshape(1, 1, sides), jnp.asarray(sigma_shift, i32)
+    )
 
 
 def perturbed_vector(p, nz, sides: Sides):
-    """Every member's copy of a vector parameter p (K, ..., n): p + sign x sigma x noise, with nz
-    (K, D, ..., n) its pairs' noise, as (K, 1, D, S, ..., n); p itself, member-shaped, without
+    """Every member's copy of a vector parameter p (..., n): p + sign x sigma x noise, with nz
+    (D, ..., n) its pairs' noise, as (1, D, S, ..., n); p itself, as (1, 1, 1, ..., n), without
     noise."""
     if nz is None:
-        return members(p)
-    shift = sides.shift.reshape((-1, 1, 1, 1) + (1,) * (nz.ndim - 2))  # (K, 1, 1, 1, ...)
-    sign = sides.sign.reshape(sides.sign.shape + (1,) * (nz.ndim - 2))
-    # (K, 1, D, 1, ..., n)
-    noise = round_shift(nz[:, None, :, None], NOISE_FRAC + shift - WEIGHT_FRAC)
-    return clip_int8(members(p).astype(i32) + sign * noise)
+        return p[None, None, None]
+    sign = sides.sign.reshape(sides.sign.shape + (1,) * (nz.ndim - 1))  # (1, 1, S, 1, ...)
+    noise = round_shift(nz[None, :, None], NOISE_FRAC + sides.shift - WEIGHT_FRAC)
+    return clip_int8(p.astype(i32) + sign * noise)
 
 
 def chunked_dot(x, b):
@@ -532,47 +477,44 @@ def rescale(acc, n: int):
 
 
 def matmul(x, w, nz, sides: Sides):
-    """x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built. x_KxRxDxSxn int8 at any
-    scale s; w (K, m, n); nz its pairs' low-rank factors A (K, D, m, r), B (K, D, n, r), a full
-    noise (K, D, m, n) under --rank 0, or None. Returns (K, R, D, S, m).
+    """x (W + sigma E)^T / (16 sqrt(n)) as int8, E = A B^T never built. x_RxDxSxn int8 at any scale
+    s; w (m, n); nz its pairs' low-rank factors A (D, m, r), B (D, n, r), a full noise (D, m, n)
+    under --rank 0, or None. Returns (R, D, S, m).
 
     x W^T accumulates in int32 at scale s * 2**WEIGHT_FRAC; the noise term in the same units is
     noise_term's; rescale keeps the output's scale ~ s.
     """
     n = x.shape[-1]
-    deep_x, deep_w = deepened(x, -1, DOT_DEPTH), deepened(w, -1, DOT_DEPTH)
-    # one plain 2-D product per replica: as one batched dot XLA:CPU copies w transposed at every
-    # layer and byte (9% of a generation at 256D-6L)
-    dot = partial(jnp.einsum, "rdsn,mn->rdsm", preferred_element_type=i32)
-    acc = jnp.stack([dot(deep_x[k], deep_w[k]) for k in range(len(w))])
-    shift = sides.shift[..., None]
+    deep_x = deepened(x, -1, DOT_DEPTH)
+    acc = jnp.einsum(
+        "rdsn,mn->rdsm", deep_x, deepened(w, -1, DOT_DEPTH), preferred_element_type=i32
+    )
     if isinstance(nz, tuple):
-        a, b = (f[:, None, :, None] for f in nz)  # (K, 1, D, 1, ..., r)
-        acc = acc + noise_term(chunked_dot(x, b), a, sides.sign[..., None], shift)
+        a, b = (f[None, :, None] for f in nz)  # (1, D, 1, ..., r)
+        acc = acc + noise_term(chunked_dot(x, b), a, sides.sign[..., None], sides.shift)
     elif nz is not None:  # --rank 0: a full (m, n) noise matrix E, one more matmul per member
         deep_nz = deepened(nz, -1, DOT_DEPTH)
-        full = jnp.einsum("krdsn,kdmn->krdsm", deep_x, deep_nz, preferred_element_type=i32)
-        acc = acc + ((sides.sign[..., None] * full) >> shift)
+        full = jnp.einsum("rdsn,dmn->rdsm", deep_x, deep_nz, preferred_element_type=i32)
+        acc = acc + ((sides.sign[..., None] * full) >> sides.shift)
     return rescale(acc, n)
 
 
-def embed(emb, tok_RxDxS, nz, sides: Sides):
-    """Row `tok` of the embedding (+ sigma E[tok]) of every member, int8 at WEIGHT_FRAC. emb (K,
-    256, E); the bytes are the same for every replica; returns (K, R, D, S, E)."""
-    rows = emb[:, tok_RxDxS]
-    if nz is None:
-        return rows
-    # each member's byte in its pair's noise: (1, R, D, S, 1, 1)
-    lookup = tok_RxDxS[None, ..., None, None]
-    if not isinstance(nz, tuple):  # --rank 0: a full (256, E) noise matrix
-        row = jnp.take_along_axis(nz[:, None, :, None], lookup, axis=4)[..., 0, :]
-        noise = round_shift(row, NOISE_FRAC + sides.shift[..., None] - WEIGHT_FRAC)
-        return clip_int8(rows.astype(i32) + sides.sign[..., None] * noise)
-    a, b = nz  # a (K, D, 256, r), b (K, D, E, r)
-    a_tok = jnp.take_along_axis(a[:, None, :, None], lookup, axis=4)  # (K, R, D, S, 1, r)
-    pert = jnp.sum(b[:, None, :, None].astype(i32) * a_tok, axis=-1)  # at 2 * NOISE_FRAC
-    shift = sides.shift[..., None] + (2 * NOISE_FRAC - WEIGHT_FRAC)
-    return clip_int8(rows.astype(i32) + ((sides.sign[..., None] * pert) >> shift))
+def product_bounds(widest: int, rank: int) -> dict[str, tuple[int, str]]:
+    """The worst cases of matmul's int32 accumulators, for inputs of up to `widest` entries (a
+    model's widest product): {accumulator: (largest magnitude, what would shrink it)}."""
+    tables = make_tables(rank)
+    a_max, b_max = (int(np.abs(t).max()) for t in (tables.gauss, tables.gauss_rank))
+    x_b = INT8_MAX * b_max * widest  # x B
+    u_a = (x_b >> NOISE_FRAC) * a_max * rank  # ((x B) >> 4) A^T
+    if rank == 0:  # full-rank noise: x E^T
+        x_b, u_a = 0, INT8_MAX * a_max * widest
+    return {
+        "matmul accumulator x W^T + sigma x E^T": (
+            INT8_MAX**2 * widest + u_a,
+            "a smaller --n_embd or --rank",
+        ),
+        "low-rank product x B": (x_b, "a smaller --n_embd"),
+    }
 
 
 def norm_scale(total, n: int):
@@ -594,7 +536,6 @@ def layer_norm(x, gain):
     return normalise(x, gain, norm_scale(total, x.shape[-1]))
 
 
-# what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
 def join(branch, x, shift: int):
     """A block's output joining the residual stream x: x + branch / 2**shift, the quotient rounded
     half away from zero, saturating (int8). --residual_shift: in a deep stack the sum of the blocks'
@@ -602,18 +543,19 @@ def join(branch, x, shift: int):
     return clipped_add(x, round_shift(branch, shift) if shift else branch)
 
 
+# what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
 ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, noise_term, clipped_add)
 # the kernel layer-normalises its inputs itself, in every tile of outputs; False: XLA does, once a
 # row, before it (the same bits; scripts/gpu_check.py times both on a GPU: docs/gpu.org)
 KERNEL_NORMALISES = True
-KERNEL_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # by their input
 
 
-class Model(NamedTuple):
-    """What the forward pass reads, built once outside the token loop (model_inputs): params, the
-    matrices (K, ...) shared by a replica's members and each member's perturbed vectors (K, 1, D,
-    S, E), block parameters with their layer axis first; noise, the matrices' (K, D, ...), or None;
-    the sides; the tables; and where egg/kernel.py computes the products, its operands."""
+class Perturbed(NamedTuple):
+    """One replica's parameters as its members read them, built once outside the byte loop
+    (perturbed, in "Forward"): params, the matrices shared by the members ([L,] m, n) and each
+    member's perturbed vectors (1, D, S, n), layered ones with their layer axis first; noise, the
+    matrices' (factors ([L,] D, m, r), or full noise), or None; the sides; the tables; and where
+    egg/kernel.py computes the products, its operands (kernel_operands)."""
 
     params: dict
     noise: dict | None
@@ -622,176 +564,337 @@ class Model(NamedTuple):
     kernel: dict | None
     interpret: bool  # the kernel in Pallas's interpreter (on the CPU)
     residual_shift: int  # how a block's outputs join the residual stream (join)
+    replicas: int  # K, of which this is one: the kernel's tiles are chosen for all K (kernel.tiles)
 
 
-def kernel_operands(params: dict, noise: dict | None) -> dict:
-    """egg/kernel.py's operands, each with a layer axis (1 for the head and ln_out): for each group
-    of KERNEL_GROUPS, w (G, L, K, m, n) and the rank-1 factors a (G, L, K, D, m), b (G, L, K, D,
-    n), or None noise-free, the group's matrices stacked (the one copy: once a call); for each gain
-    its rows (L, K, D, S n), or (L, K, 1, n) noise-free (every row's)."""
+def kernel_operands(params: dict, noise: dict | None, groups, layered: set[str]) -> dict:
+    """egg/kernel.py's operands of each group of matrices that read one input (Model.groups), the
+    group's matrices stacked (the one copy: once a forward), each with a layer axis (1 where it has
+    none): w (G, L, m, n) and the rank-1 factors a (G, L, D, m), b (G, L, D, n), or None
+    noise-free."""
     operands = {}
-    for group in KERNEL_GROUPS:
+    for group in groups:
 
         def lift(x, name=group[0]):
-            return x if name in BLOCK else x[None]
+            return x if name in layered else x[None]
 
         w = jnp.stack([lift(params[name]) for name in group])
         a = b = None
-        if noise is not None:  # rank 1: (L, K, D, m, 1) -> (L, K, D, m)
+        if noise is not None:  # rank 1: (L, D, m, 1) -> (L, D, m)
             a, b = (jnp.stack([lift(noise[name][f])[..., 0] for name in group]) for f in (0, 1))
         operands[group] = (w, a, b)
-    for name in ("ln1", "ln2", "ln_out"):
-        gain = params[name] if name in BLOCK else params[name][None]  # (L, K, 1, D, S, n)
-        operands[name] = gain.reshape(gain.shape[:2] + (gain.shape[3], -1))
     return operands
 
 
-def model_inputs(params, noise, sides: Sides, cfg: Config) -> Model:
-    """The Model of these parameters (each (K, ...)) and noise (each (K, D, ...), or None)."""
-    model, model_noise = {}, {}
-    for name in PARAM_NAMES:
-        nz, block = None if noise is None else noise[name], name in BLOCK
-        if name in MATRICES:  # shared by every member of a replica
-            model[name] = jnp.moveaxis(params[name], 1, 0) if block else params[name]
-            if nz is not None:
-                model_noise[name] = (
-                    jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), nz) if block else nz
-                )
-        else:  # each member's own: ([L,] K, 1, D, S, n)
-            vector = perturbed_vector(params[name], nz, sides)
-            model[name] = jnp.moveaxis(vector, 4, 0) if block else vector
-    model_noise = None if noise is None else model_noise
-    operands = kernel_operands(model, model_noise) if cfg.kernels != "xla" else None
-    tables, interpret = make_tables(cfg.rank), cfg.kernels == "interpret"
-    return Model(model, model_noise, sides, tables, operands, interpret, cfg.residual_shift)
+def embed(w: Perturbed, name: str, tok_RxDxS):
+    """Row `tok` of the embedding matrix `name` (+ sigma E[tok]) of every member, int8 at
+    WEIGHT_FRAC: (R, D, S, E)."""
+    rows = w.params[name][tok_RxDxS]
+    nz, sides = None if w.noise is None else w.noise[name], w.sides
+    if nz is None:
+        return rows
+    lookup = tok_RxDxS[..., None, None]  # each member's byte in its pair's noise: (R, D, S, 1, 1)
+    if not isinstance(nz, tuple):  # --rank 0: a full (256, E) noise matrix
+        row = jnp.take_along_axis(nz[None, :, None], lookup, axis=3)[..., 0, :]
+        noise = round_shift(row, NOISE_FRAC + sides.shift - WEIGHT_FRAC)
+        return clip_int8(rows.astype(i32) + sides.sign[..., None] * noise)
+    a, b = nz  # a (D, 256, r), b (D, E, r)
+    a_tok = jnp.take_along_axis(a[None, :, None], lookup, axis=3)  # (R, D, S, 1, r)
+    pert = jnp.sum(b[None, :, None].astype(i32) * a_tok, axis=-1)  # at 2 * NOISE_FRAC
+    shift = sides.shift + (2 * NOISE_FRAC - WEIGHT_FRAC)
+    return clip_int8(rows.astype(i32) + ((sides.sign[..., None] * pert) >> shift))
 
 
-def products(model: Model, x, layer, names: tuple[str, ...], gain: str = "", residual=None):
+def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = "", residual=None):
     """x times each named matrix (with its noise) as matmul computes it, the one place that chooses
-    who computes it: x_KxRxDxSxn; first layer_norm(x, gain) with a gain name, then
-    join(product, residual) with a residual.
-    `layer` () int32 for block parameters, None for the head. Returns one (K, R, D, S, m) per name:
-    by egg/kernel.py where the Model has its operands and the kernel takes the shapes, else by
-    XLA."""
-    replicas, repeats, distinct, sides, n = x.shape
-    pairs, m = repeats * distinct, model.params[names[0]].shape[-2]
-    found = model.kernel.get(names) if model.kernel else None
+    who computes it: x_RxDxSxn; first layer_norm(x, gain) with a gain name, then
+    join(product, residual) with a residual. `layer` () int32 for layered parameters, None for
+    others. Returns one (R, D, S, m) per name: by egg/kernel.py where the Perturbed has operands of
+    this group of matrices and the kernel takes the shapes, else by XLA."""
+    repeats, distinct, sides, n = x.shape
+    pairs, m = repeats * distinct, w.params[names[0]].shape[-2]
+    operands = w.kernel.get(names) if w.kernel else None
     at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
-    if found is None or not kernel.takes(pairs, distinct, m, n):
-        v = layer_norm(x, at(model.params[gain])) if gain else x
-        noise = (lambda k: None) if model.noise is None else (lambda k: at(model.noise[k]))
-        outs = [matmul(v, at(model.params[k]), noise(k), model.sides) for k in names]
-        return [o if residual is None else join(o, residual, model.residual_shift) for o in outs]
+    if operands is None or not kernel.takes(pairs, distinct, m, n):
+        v = layer_norm(x, at(w.params[gain])) if gain else x
+        noise = (lambda k: None) if w.noise is None else (lambda k: at(w.noise[k]))
+        outs = [matmul(v, at(w.params[k]), noise(k), w.sides) for k in names]
+        return [o if residual is None else join(o, residual, w.residual_shift) for o in outs]
 
-    def as_rows(v):  # (K, R, D, S, n) -> (K, Q, S n): a view
-        return v.reshape((replicas, pairs, -1))
+    def as_rows(v):  # (R, D, S, n) -> (Q, S n): a view
+        return v.reshape((pairs, -1))
 
     if gain and not KERNEL_NORMALISES:
-        x, gain = layer_norm(x, at(model.params[gain])), ""
+        x, gain = layer_norm(x, at(w.params[gain])), ""
+    gains = None
+    if gain:  # its rows, layer axis first: (L, D, S n), or (L, 1, n) noise-free (every row's)
+        rows = w.params[gain] if layer is not None else w.params[gain][None]
+        gains = rows.reshape(rows.shape[:1] + (rows.shape[2], -1))
     index = jnp.asarray(0 if layer is None else layer, i32)
-    gains = model.kernel[gain] if gain else None
     added = None if residual is None else as_rows(residual)
-    shifts = model.sides.shift.reshape(-1)
-    arithmetic = ARITHMETIC._replace(add=partial(join, shift=model.residual_shift))
-    options = dict(interpret=model.interpret, arithmetic=arithmetic)
-    out = kernel.product(as_rows(x), *found, shifts, index, gains, added, **options)
+    arithmetic = ARITHMETIC._replace(add=partial(join, shift=w.residual_shift))
+    options = dict(interpret=w.interpret, arithmetic=arithmetic, replicas=w.replicas)
+    out = kernel.product(as_rows(x), *operands, w.sides.shift, index, gains, added, **options)
     return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
 
-def block(x, h, layer, model: Model):
-    """One minGRU block of every member: the new residual stream, this layer's new state and the
-    block's int8 activations by name (diagnostics read them; the forward pass drops them). x:
-    the residual stream x_KxRxDxSxE, int8 at WEIGHT_FRAC; h: this layer's hidden state
-    (K, R, D, S, E), using the full range (real = q / 127); layer () int32."""
-    wf, wh = products(model, x, layer, ("Wf", "Wh"), gain="ln1")
-    (uf,) = products(model, h, layer, ("Uf",))
+# ------------------------------------------------------------------------------------------------
+# Models. An entry of MODELS carries all the rest derives from a model: its parameters (names in
+# the noise stream's order, shapes, which are matrices, how each starts), the state each member
+# carries from one generation to the next and that state's shape, its forward over one replica's
+# members (by the byte, carrying a state, or by the window of bytes a member reads with one
+# perturbation), its products through products() (which may hand them to the GPU kernel), the
+# worst case of each int32 accumulator (refused before compiling where one exceeds int32), its
+# int8 activations by name (--debug's table), and its own flags. --model picks one.
+
+
+class Model(NamedTuple):
+    """A model: what the method needs of it. Byte models give `step`, window models `window`.
+
+    parameters(cfg) -> {name: Parameter}, in the noise stream's order
+    state(cfg) -> one member's carried state's shape, int8 ((0,) for none)
+    begin(states_RxDxS..., cfg) -> what step carries from byte to byte; end(carried, cfg) -> states
+    step(w, carried, byte_RxDxS, cfg) -> (logits_RxDxSxV int8 at LOGIT_FRAC, carried, activations)
+    window(w, bytes_TxRxDxS, cfg) -> (logits_TxRxDxSxV, activations), each byte's from those before
+    groups: the matrices each call of products() multiplies one input by (the kernel stacks them)
+    bounds(cfg) -> {accumulator: (its worst case, what would shrink it)}, products' included
+    traffic(cfg) -> activation bytes a member reads and writes a byte, at least (bench.py's floor)
+    flags: its own flags (a frozen flags dataclass beside it), or None
+    The activations are {name: int8 array}, a layer's stacked on a leading L axis."""
+
+    parameters: Callable[[Config], dict[str, Parameter]]
+    state: Callable[[Config], tuple[int, ...]]
+    begin: Callable
+    end: Callable
+    step: Callable | None
+    window: Callable | None
+    groups: tuple[tuple[str, ...], ...]
+    bounds: Callable[[Config], dict[str, tuple[int, str]]]
+    traffic: Callable[[Config], int]
+    flags: type | None = None
+
+
+def layer_carry(states_L, cfg: Config):
+    """The layers' states (L, ...) as a model's byte loop carries them: where the layers are
+    unrolled (cfg.unrolled, the product kernel's, as on a GPU) a tuple of each layer's, each its own
+    buffer that the kernels computing it write whole (written into a stack, each state would be a
+    copy, one that cuts a GPU's command buffer: each byte three graphs, not one); else the stack
+    the layers' scan reads."""
+    return tuple(states_L) if cfg.unrolled else states_L
+
+
+def each_layer(layer, x, states, cfg: Config):
+    """x through every layer in turn, the one place that chooses how: layer(x, state, index) ->
+    (x, state, seen); states as layer_carry makes them. Returns x, the new states (as carried) and
+    each activation the layers saw, stacked on a leading L axis. Unrolled (cfg.unrolled: a loop
+    costs a GPU three kernels a layer), else scanned."""
+    if cfg.unrolled:
+        new, seen = [], []
+        for at, h in enumerate(states):
+            x, h, found = layer(x, h, at)
+            new.append(h)
+            seen.append(found)
+        return x, tuple(new), jax.tree.map(lambda *v: jnp.stack(v), *seen)
+
+    def scanned(x, h_at):
+        x, h, found = layer(x, *h_at)
+        return x, (h, found)
+
+    x, (states, seen) = jax.lax.scan(scanned, x, (states, jnp.arange(states.shape[0])))
+    return x, states, seen
+
+
+# EGG, upstream nano-egg's minGRU: per block a GRU whose gate and candidate read the input and the
+# state (Uf, Uh) at every byte, then an MLP without a nonlinearity, each joining the residual
+# stream.
+
+
+def egg_parameters(cfg: Config) -> dict[str, Parameter]:
+    """Byte embedding, n_layer blocks (ln1, the GRU's Wf Uf bf Wh Uh bh, ln2, the MLP's W1 W2), the
+    output layer norm and the head. Matrices start ~ N(0, init_std**2) steps, gains at 1.0, biases
+    at 0."""
+    n = cfg.n_embd
+    square, vector = Parameter((n, n), True, True, None), Parameter((n,), True, False, 0)
+    gain = Parameter((n,), True, False, GAIN_ONE)
+    return {
+        "emb": Parameter((VOCAB, n), False, True, None),
+        "ln1": gain,
+        "Wf": square,
+        "Uf": square,
+        "bf": vector,
+        "Wh": square,
+        "Uh": square,
+        "bh": vector,
+        "ln2": gain,
+        "W1": Parameter((4 * n, n), True, True, None),
+        "W2": Parameter((n, 4 * n), True, True, None),
+        "ln_out": gain._replace(layered=False),
+        "head": Parameter((VOCAB, n), False, True, None),
+    }
+
+
+def egg_state(cfg: Config) -> tuple[int, ...]:
+    """Each layer's hidden state, int8 using the full range (real = q / 127)."""
+    return (cfg.n_layer, cfg.n_embd)
+
+
+def egg_begin(states, cfg: Config):
+    """The states (R, D, S, L, E) with their layer axis first, as the layers slice them."""
+    return layer_carry(jnp.moveaxis(states, -2, 0), cfg)
+
+
+def egg_end(carried, cfg: Config):
+    return jnp.moveaxis(jnp.stack(carried), 0, -2)
+
+
+def egg_block(x, h, layer, w: Perturbed, cfg: Config):
+    """One block of every member: the new residual stream, this layer's new state and the block's
+    int8 activations by name. x: the residual stream x_RxDxSxE, int8 at WEIGHT_FRAC; h: this
+    layer's hidden state (R, D, S, E), using the full range (real = q / 127); layer () int32."""
+    wf, wh = products(w, x, ("Wf", "Wh"), layer, gain="ln1")
+    (uf,) = products(w, h, ("Uf",), layer)
     # forget gate: clipping to int8 is the (hard) sigmoid; g = f + 127 in [0, 254] is g / 256
-    g = clipped_add(wf, uf, model.params["bf"][layer]).astype(i32) + INT8_MAX
+    g = clipped_add(wf, uf, w.params["bf"][layer]).astype(i32) + INT8_MAX
     gated = ((g * h.astype(i32)) >> GATE_BITS).astype(jnp.int8)
     # candidate: clipping to int8 is the (hard) tanh
-    (uh,) = products(model, gated, layer, ("Uh",))
-    c = clipped_add(wh, uh, model.params["bh"][layer]).astype(i32)
+    (uh,) = products(w, gated, ("Uh",), layer)
+    c = clipped_add(wh, uh, w.params["bh"][layer]).astype(i32)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
-    x = join(h, x, model.residual_shift)
-    (hidden,) = products(model, x, layer, ("W1",), gain="ln2")  # (..., 4E), no nonlinearity
-    (x,) = products(model, hidden, layer, ("W2",), residual=x)
+    x = join(h, x, cfg.residual_shift)
+    (hidden,) = products(w, x, ("W1",), layer, gain="ln2")  # (..., 4E), no nonlinearity
+    (x,) = products(w, hidden, ("W2",), layer, residual=x)
     gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
     seen = {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
     return x, h, seen
 
 
-def carried(states_L, model: Model):
-    """The layers' states (L, K, R, D, S, E) as token_logits carries them from byte to byte: where
-    the layers are unrolled (the product kernel's, as on a GPU) a tuple of each layer's, each its
-    own buffer that the kernels computing it write whole (written into a stack, each state would be
-    a copy, one that cuts a GPU's command buffer: each byte three graphs, not one); else the stack
-    the layers' scan reads."""
-    return tuple(states_L) if model.kernel is not None else states_L
-
-
-def token_logits(model: Model, states, tok_RxDxS):
-    """One byte through every member: the logits (K, R, D, S, 256) int8 at LOGIT_FRAC, the new
-    states (as carried), and the int8 activations by name (each layer's stacked on a leading L
-    axis), which the forward pass drops. The byte is the same for every replica. The states
+def egg_step(w: Perturbed, states, byte_RxDxS, cfg: Config):
+    """One byte through every member: its logits, the new states, the activations. The states
     restart from zero at byte 0, the separator before every document."""
-    restart = (tok_RxDxS == 0)[..., None]
+    restart = (byte_RxDxS == 0)[..., None]
     states = jax.tree.map(lambda h: jnp.where(restart, jnp.zeros_like(h), h), states)
-    emb_noise = None if model.noise is None else model.noise["emb"]
-    embedding = embed(model.params["emb"], tok_RxDxS, emb_noise, model.sides)
-
-    def layer(x, h_at):  # a layer reads its state and returns the new one
-        x, h, seen = block(x, *h_at, model)
-        return x, (h, seen)
-
-    if isinstance(states, tuple):  # unrolled, as on a GPU (a loop costs it three kernels a layer)
-        x, found = embedding, []
-        for at, h in enumerate(states):
-            x, out = layer(x, (h, at))
-            found.append(out)
-        states = tuple(h for h, _ in found)
-        seen = jax.tree.map(lambda *v: jnp.stack(v), *[seen for _, seen in found])
-    else:
-        layers = jnp.arange(states.shape[0])
-        x, (states, seen) = jax.lax.scan(layer, embedding, (states, layers))
-    (logits,) = products(model, x, None, ("head",), gain="ln_out")
+    embedding = embed(w, "emb", byte_RxDxS)
+    block = partial(egg_block, w=w, cfg=cfg)
+    x, states, seen = each_layer(block, embedding, states, cfg)
+    (logits,) = products(w, x, ("head",), gain="ln_out")
     return logits, states, {"embedding": embedding, **seen, "logits": logits}
 
 
+def egg_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
+    """Its products' (the widest input: the MLP's down projection, 4 n); the gate's product g h
+    stays below 2**15."""
+    return product_bounds(4 * cfg.n_embd, cfg.rank)
+
+
+def egg_traffic(cfg: Config) -> int:
+    """Every product's int8 input and output, the state and the residual stream: 22 n a layer; 2 n
+    + 2 x 256 around them (n the width)."""
+    return 22 * cfg.n_embd * cfg.n_layer + 2 * cfg.n_embd + 2 * VOCAB
+
+
+EGG_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # by their input
+
+MODELS = {
+    "egg": Model(
+        egg_parameters,
+        egg_state,
+        egg_begin,
+        egg_end,
+        step=egg_step,
+        window=None,
+        groups=EGG_GROUPS,
+        bounds=egg_bounds,
+        traffic=egg_traffic,
+    ),
+}
+
+
+def parameters_of(cfg: Config) -> dict[str, Parameter]:
+    """The model's parameters (its entry's), in the noise stream's order."""
+    return MODELS[cfg.model].parameters(cfg)
+
+
+def full_shape(p: Parameter, cfg: Config) -> tuple[int, ...]:
+    """A parameter's shape as stored: layered ones with a leading n_layer axis."""
+    return ((cfg.n_layer,) if p.layered else ()) + p.shape
+
+
+def init_params(cfg: Config, seed):
+    """One model's parameters from its seed, a dict of int8 arrays. Those that start random are
+    ~ N(0, s^2) at WEIGHT_FRAC, s = init_std, drawn from the same quantile table as the noise (std
+    2**NOISE_FRAC, |entries| <= 46) and scaled by s / 2**NOISE_FRAC, rounded half away from zero:
+    |q| <= 46 x 32 / 16 = 92 at s <= 32 (no floating point)."""
+    tables = make_tables(cfg.rank)
+    key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 0)  # 1: noise
+    params = {}
+    for i, (name, p) in enumerate(parameters_of(cfg).items()):
+        shape = full_shape(p, cfg)
+        if p.start is None:
+            bits = jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint8)
+            gauss = jnp.asarray(tables.gauss)[bits].astype(i32)
+            params[name] = round_shift(gauss * cfg.init_std, NOISE_FRAC).astype(jnp.int8)
+        else:
+            params[name] = jnp.full(shape, p.start, jnp.int8)
+    return params
+
+
 # ------------------------------------------------------------------------------------------------
-# Forward: the fitness of every member, the log2-likelihood of the bytes it read.
+# Forward: the fitness of every member of one replica, the log2-likelihood of the bytes it read.
 
 
-def forward(params, noise, states_KxMxLxE, inputs_MxT, targets_MxT, sigma_shifts_K, cfg: Config):
-    """Every replica's M members reading T bytes: their fitness_KxM int32 (the log2-likelihood
-    sums at LL_FRAC) and their states after the last byte (K, M, L, E). The one forward of
-    training (with noise) and validation (noise None).
+def perturbed(params, noise, sides: Sides, cfg: Config) -> Perturbed:
+    """The Perturbed of one replica's parameters {name: ([L,] ...)} and noise ({name: (D, [L,]
+    ...)}, or None): matrices shared, vectors each member's own, layered ones layer axis first."""
+    weights, matrix_noise, layered = {}, {}, set()
+    for name, p in parameters_of(cfg).items():
+        nz = None if noise is None else noise[name]
+        if p.layered:
+            layered.add(name)
+        if p.matrix:  # shared by every member
+            weights[name] = params[name]
+            if nz is not None:
+                matrix_noise[name] = (
+                    jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), nz) if p.layered else nz
+                )
+        else:  # each member's own: ([L,] 1, D, S, n)
+            vector = perturbed_vector(params[name], nz, sides)
+            weights[name] = jnp.moveaxis(vector, 3, 0) if p.layered else vector
+    matrix_noise = None if noise is None else matrix_noise
+    operands = None
+    if cfg.kernels != "xla":
+        operands = kernel_operands(weights, matrix_noise, MODELS[cfg.model].groups, layered)
+    tables, interpret = make_tables(cfg.rank), cfg.kernels == "interpret"
+    shift = cfg.residual_shift
+    return Perturbed(weights, matrix_noise, sides, tables, operands, interpret, shift, cfg.replicas)
 
-    params: each (K, ...); noise: each (K, D, ...) for D distinct pairs, M a multiple of 2 D, or
-    None; the bytes are the same for every replica; sigma_shifts (K,) int32 (None without noise).
-    The members' layout is made here, a reshape: member p = (r D + d) S + s has the model's axes
-    (R, D, S), and the states put their layer axis first, so that the layers slice them as they
-    are."""
-    params = jax.tree.map(jnp.asarray, params)
-    replicas, count = states_KxMxLxE.shape[:2]
+
+def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg: Config):
+    """One replica's M members reading T bytes: their fitness_M int32 (the log2-likelihood sums at
+    LL_FRAC) and their states after the last byte (M, ...). The one forward of training (with
+    noise) and validation (noise None).
+
+    params: each ([L,] ...); noise: each (D, [L,] ...) for D distinct pairs, M a multiple of 2 D, or
+    None; sigma_shift () int32 (None without noise). The members' layout is made here, a reshape:
+    member p = (r D + d) S + s has the axes (R, D, S)."""
+    model, count = MODELS[cfg.model], states_MxS.shape[0]
     sides = 1 if noise is None else 2
-    distinct = count // sides if noise is None else jax.tree.leaves(noise)[0].shape[1]
+    distinct = count // sides if noise is None else jax.tree.leaves(noise)[0].shape[0]
     layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
-    shifts = jnp.zeros((replicas,), i32) if sigma_shifts_K is None else sigma_shifts_K
-    model = model_inputs(params, noise, make_sides(shifts, sides), cfg)
+    w = perturbed(params, noise, make_sides(0 if noise is None else sigma_shift, sides), cfg)
+    inputs, targets = (x.T.reshape((-1,) + layout) for x in (inputs_MxT, targets_MxT))
+    states = states_MxS.reshape(layout + states_MxS.shape[1:])
+    if model.window is not None:
+        logits, _ = model.window(w, inputs, cfg)
+        ll_TxRxDxS = log2_likelihood(logits, targets, w.tables)
+    else:
 
-    def read(states, io):
-        tok_RxDxS, target_RxDxS = io
-        logits, states, _ = token_logits(model, states, tok_RxDxS)
-        return states, log2_likelihood(logits, target_RxDxS, model.tables)  # (K, R, D, S)
+        def read(carried, io):
+            logits, carried, _ = model.step(w, carried, io[0], cfg)
+            return carried, log2_likelihood(logits, io[1], w.tables)
 
-    states = jnp.moveaxis(states_KxMxLxE, 2, 0).reshape(
-        (cfg.n_layer, replicas) + layout + (cfg.n_embd,)
-    )
-    io_TxRxDxS = (inputs_MxT.T.reshape((-1,) + layout), targets_MxT.T.reshape((-1,) + layout))
-    states, ll_TxKxRxDxS = jax.lax.scan(read, carried(states, model), io_TxRxDxS)
-    states = jnp.stack(states).reshape((cfg.n_layer, replicas, count, cfg.n_embd))
-    states_KxMxLxE = jnp.moveaxis(states, 0, 2)
-    return jnp.sum(ll_TxKxRxDxS, axis=0).reshape(replicas, count), states_KxMxLxE
+        carried, ll_TxRxDxS = jax.lax.scan(read, model.begin(states, cfg), (inputs, targets))
+        states = model.end(carried, cfg)
+    return jnp.sum(ll_TxRxDxS, axis=0).reshape(count), states.reshape(states_MxS.shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -805,14 +908,13 @@ def forward(params, noise, states_KxMxLxE, inputs_MxT, targets_MxT, sigma_shifts
 def noise_pieces(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
     """(parameter, shape, table) of each piece of a pair's noise, in stream order."""
     pieces = []
-    for name in PARAM_NAMES:
-        layers = (cfg.n_layer,) if name in BLOCK else ()
-        shape = param_shape(name, cfg)
-        if name in MATRICES and cfg.rank:  # A, B
-            pieces.append((name, layers + (shape[0], cfg.rank), "gauss"))
-            pieces.append((name, layers + (shape[1], cfg.rank), "gauss_rank"))
+    for name, p in parameters_of(cfg).items():
+        layers = (cfg.n_layer,) if p.layered else ()
+        if p.matrix and cfg.rank:  # A, B
+            pieces.append((name, layers + (p.shape[0], cfg.rank), "gauss"))
+            pieces.append((name, layers + (p.shape[1], cfg.rank), "gauss_rank"))
         else:
-            pieces.append((name, layers + shape, "gauss"))
+            pieces.append((name, layers + p.shape, "gauss"))
     return pieces
 
 
@@ -847,9 +949,9 @@ def mix_segment(words, segment):
 
 
 def words_to_noise(cfg: Config, words):
-    """A pair's noise from its stream: {name: (A, B) or full-shape noise}, int8 at NOISE_FRAC; block
-    parameters carry a leading n_layer axis. Byte i (little-endian within each word) indexes the
-    table of noise entry i, pieces in noise_pieces order."""
+    """A pair's noise from its stream: {name: (A, B) or full-shape noise}, int8 at NOISE_FRAC;
+    layered parameters carry a leading n_layer axis. Byte i (little-endian within each word)
+    indexes the table of noise entry i, pieces in noise_pieces order."""
     tables = make_tables(cfg.rank)
     bits = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
     noise, offset = {}, 0
@@ -880,8 +982,11 @@ def scored_pairs(cfg: Config) -> int:
 
 
 def bucket_of(cfg: Config, generation):
-    """The noise's counter for a generation: generations share it in buckets of --noise_reuse."""
-    return generation // cfg.noise_reuse if cfg.noise_reuse else jnp.zeros_like(generation)
+    """The noise's counter for a generation: generations share it in buckets of --noise_reuse (one
+    bucket for the whole run where cfg.noise_reuse is None)."""
+    if cfg.noise_reuse is None:
+        return jnp.zeros_like(generation)
+    return generation // cfg.noise_reuse
 
 
 def generation_noise(cfg: Config, seed, generation):
@@ -904,28 +1009,37 @@ def segment_noise(cfg: Config, seed, generation, segment, first, count: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# Fitness shapings: how each antithetic pair's fitness difference d (member 2k's fitness less
-# member 2k + 1's) becomes its int8 score, the pair's weight in Z. An entry of SHAPINGS carries
-# what the rest derives from it: the Z-test's null (the scores' root mean square when fitness is
-# unrelated to the noise), Z's int8 operand and int32 bounds (the largest |score|) and the worst
-# case of any int32 sum of its own. --shaping picks one.
+# Fitness shapings: how each antithetic pair's two fitnesses (member 2k's, which adds its noise, and
+# member 2k + 1's, which subtracts it) become its int8 score, the pair's weight in Z. An entry of
+# SHAPINGS carries what the rest derives from it: the Z-test's null (the scores' root mean square
+# when fitness is unrelated to the noise), Z's int8 operand and int32 bounds (the largest |score|:
+# scores are clipped to it where they are made), the worst case of any int32 sum of its own, and
+# its own flags. --shaping picks one.
 
 
 class Shaping(NamedTuple):
-    """A fitness shaping: scores(d, pairs, axis) -> int8 scores in [-largest, largest] of the
-    differences d (..., Q) int32, `pairs` of them in all, spread over the mesh axis `axis` (None:
-    all here), any leading axes (the segments); rms() their null root mean square; bounds(cfg) the
-    worst cases of its own int32 sums, {name: value} (they grow with the pairs an update weighs)."""
+    """A fitness shaping: scores(fitness, pairs, axis, flags) -> int8 scores in [-largest, largest]
+    of each pair, from fitness_...xQx2 int32 (each pair's two members' fitness, side 0 first),
+    `pairs` pairs in all, spread over the mesh axis `axis` (None: all here), any leading axes (the
+    segments); rms(flags) their null root mean square; bounds(cfg) the worst cases of its own int32
+    sums, {name: value} (they grow with the pairs an update weighs); flags: its own (a frozen flags
+    dataclass beside it), or None, which scores and rms are given."""
 
     scores: Callable
     largest: int
-    rms: Callable[[], float]
+    rms: Callable[[Any], float]
     bounds: Callable[[Config], dict]
+    flags: type | None = None
 
 
-def sign_scores(diff, pairs: int, axis):
+def differences(fitness):
+    """Each pair's fitness difference (..., Q) int32: side 0's (+noise) less side 1's (-noise)."""
+    return fitness[..., 0] - fitness[..., 1]
+
+
+def sign_scores(fitness, pairs: int, axis, flags):
     """upstream's (--fast_fitness): the sign of each pair's difference."""
-    return jnp.sign(diff).astype(jnp.int8)
+    return jnp.sign(differences(fitness)).astype(jnp.int8)
 
 
 def remainders_chunk(pairs: int) -> int:
@@ -934,9 +1048,10 @@ def remainders_chunk(pairs: int) -> int:
     return max(1, INT32_MAX // pairs)
 
 
-def normalised_scores(diff, pairs: int, axis):
-    """sign(d) min(floor(2**FIT_FRAC |d| / m), 127), m the floor mean |d| over every pair (at least
-    1), exactly for every int32 d without a wider type."""
+def normalised_scores(fitness, pairs: int, axis, flags):
+    """sign(d) min(floor(2**FIT_FRAC |d| / m), 127) of each pair's difference d, m the floor mean
+    |d| over every pair (at least 1), exactly for every int32 d without a wider type."""
+    diff = differences(fitness)
     size = jnp.abs(diff)
     # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs), the second sum
     # taken in chunks whose sums stay int32 (remainders_chunk): sum floor(c / pairs) over the
@@ -962,7 +1077,7 @@ def normalised_scores(diff, pairs: int, axis):
 
 
 @cache
-def normalised_rms() -> float:
+def normalised_rms(flags=None) -> float:
     """The null root mean square of min(floor(16 |d| / mean|d|), 127) for normal d, exact from the
     normal CDF, as |d| / mean|d| = |z| sqrt(pi / 2) for a standard normal z (19.7, where the
     unfloored 16 sqrt(pi / 2) would say 20.1)."""
@@ -983,7 +1098,7 @@ def normalised_bounds(cfg: Config) -> dict:
 
 
 SHAPINGS = {
-    "sign": Shaping(sign_scores, 1, lambda: 1.0, lambda cfg: {}),
+    "sign": Shaping(sign_scores, 1, lambda flags: 1.0, lambda cfg: {}),
     "normalised": Shaping(normalised_scores, INT8_MAX, normalised_rms, normalised_bounds),
 }
 
@@ -991,10 +1106,19 @@ SHAPINGS = {
 def shape_fitness(fitness, cfg: Config, axis: str | None = None):
     """One int8 score per pair (--shaping's) from its two members' fitness: fitness (..., M) int32,
     members along the last axis, any leading axes (the segments). With `axis`, the pairs are spread
-    over that mesh axis, and a shaping that needs all of them gathers them."""
-    diff = fitness[..., 0::2] - fitness[..., 1::2]
-    pairs = diff.size * (cfg.devices if axis is not None else 1)
-    return SHAPINGS[cfg.shaping].scores(diff, pairs, axis)
+    over that mesh axis, and a shaping that needs all of them gathers them. The scores are clipped
+    to the shaping's largest, which every bound derived from it assumes (tests/test_entries.py
+    checks that no entry's scores need it)."""
+    shaping = SHAPINGS[cfg.shaping]
+    pairs = fitness.reshape(fitness.shape[:-1] + (-1, 2))
+    count = pairs.size // 2 * (cfg.devices if axis is not None else 1)
+    scores = shaping.scores(pairs, count, axis, cfg.shaping_flags)
+    return jnp.clip(scores, -shaping.largest, shaping.largest).astype(jnp.int8)
+
+
+def shaping_rms(cfg: Config) -> float:
+    """The null root mean square of the run's shaping's scores."""
+    return SHAPINGS[cfg.shaping].rms(cfg.shaping_flags)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1002,47 +1126,101 @@ def shape_fitness(fitness, cfg: Config, axis: str | None = None):
 # fitness is unrelated to the noise (the null) its spread is known exactly (null_std). An entry of
 # RULES says how an entry moves given its Z, and what the rest derives from it: the threshold,
 # z_(1 - alpha / 2) times the null spread of what the rule tests (so that a share alpha would
-# pass under the null); the largest value that can reach (a threshold beyond it is refused); its
-# state per entry and that state's dtype (kept in checkpoints); the flags it reads (they act under
-# it alone). --optimizer picks one.
+# pass under the null), and whether it reads one at all; the largest value what it tests can reach
+# (a threshold beyond it is refused); its state per entry and that state's dtype (kept in
+# checkpoints); its own flags, and the values it chooses where they say 0. --optimizer picks one.
 
 
-class Test(NamedTuple):
-    """What an update rule is given for one parameter in a generation, besides its Z and state."""
+class Evidence(NamedTuple):
+    """What an update rule weighs for one parameter in a generation, besides its Z and state."""
 
     threshold: jax.Array  # () int32: z_(1 - alpha / 2) x spread(z_std), floored (z_thresholds)
     z_std: float  # Z's null std for this kind of parameter (null_std)
     weights: jax.Array  # (pairs,) int32: the pair weights Z was summed with
+    null_square_sum: float  # their sum of squares' expected value under the null
+
+
+class Sizes(NamedTuple):
+    """What a rule's chosen settings may depend on."""
+
+    parameters: int  # of one model
+    pairs: int  # scored pairs an update weighs (scored_pairs)
 
 
 class Rule(NamedTuple):
-    """An update rule: step(z, state, test, cfg) -> (moves, state), the int32 moves of each entry
-    of a parameter (its Z, int32, the parameter's shape) and its new state ({slot: array});
-    spread(z_std, cfg) the null std of what it tests; reach(z_reach, cfg) the largest |that| for Z
-    of at most z_reach; `tests` says what that is; state {slot: dtype}, every slot from 0;
-    flags: those it reads."""
+    """An update rule: step(z, state, evidence, flags) -> (moves, state), the int32 moves of each
+    entry of a parameter (its Z, int32, the parameter's shape) and its new state ({slot: int32
+    values within the slot's dtype}); spread(z_std, flags) the null std of what it tests; reach(
+    z_reach, flags) the largest |that| for Z of at most z_reach; `tests` says what that is; state
+    {slot: dtype}, every slot from 0 (stored in the dtype); alpha: whether it reads the threshold;
+    flags: its own (a frozen flags dataclass beside it), or None; resolve(flags, Sizes): its flags
+    with the values it chooses where they say 0 (None: it chooses none)."""
 
     step: Callable
-    spread: Callable[[float, Config], float]
-    reach: Callable[[int, Config], int]
+    spread: Callable[[float, Any], float]
+    reach: Callable[[int, Any], int]
     tests: str
     state: dict
-    flags: tuple[str, ...]
+    alpha: bool = True
+    flags: type | None = None
+    resolve: Callable[[Any, Sizes], Any] | None = None
 
 
 def expected_square_sum(cfg: Config) -> float:
     """S_null: the expected sum of squared pair weights under the null, pairs x E[score**2]."""
-    return scored_pairs(cfg) * SHAPINGS[cfg.shaping].rms() ** 2
+    return scored_pairs(cfg) * shaping_rms(cfg) ** 2
 
 
-def ztest_step(z, state, test: Test, cfg: Config):
+@dataclass(frozen=True)
+class ZTestFlags:
+    """the Z-test's own flags (--optimizer ztest)"""
+
+    null_from_scores: Annotated[bool, *flag(training=True)] = False
+    """scale the null std by sqrt(this generation's sum of squared scores / its null mean)"""
+
+
+def ztest_step(z, state, evidence: Evidence, flags: ZTestFlags):
     """upstream's Z-test: sign(Z) where |Z| > the threshold; with --null_from_scores the threshold
     times sqrt(S / S_null), S this generation's sum of squared pair weights."""
-    threshold = test.threshold
-    if cfg.null_from_scores:
-        square_sum = jnp.sum(test.weights * test.weights)
-        threshold = scale_by_root(threshold, square_sum, expected_square_sum(cfg))
+    threshold = evidence.threshold
+    if flags.null_from_scores:
+        square_sum = jnp.sum(evidence.weights * evidence.weights)
+        threshold = scale_by_root(threshold, square_sum, evidence.null_square_sum)
     return jnp.sign(z) * (jnp.abs(z) > threshold), state
+
+
+# --max_step 0: two steps at most from this many scored pairs an update (population / 2 x
+# segments) or in a large model, one below (docs/results.org, "Population" and "The default
+# model": two steps helped 256D-6L at 1,280 pairs, were level at 64D-2L, hurt 32D-1L)
+STEP2_PAIRS = 10_000
+# a large model (from this many parameters) moves up to two steps (--max_step 0), and its momentum
+# keeps 7/8 of itself a generation, not 3/4 (--momentum_shift 0): each helped 256D-6L
+# (docs/results.org, "The default model"); each was level at 64D-2L; nothing between their
+# 131,648 and 4,856,064 parameters was measured
+LARGE_MODEL = 1_000_000
+MOMENTUM_SHIFT = 2  # --momentum_shift 0 below LARGE_MODEL: m keeps 3/4 of itself a generation
+LARGE_MOMENTUM_SHIFT = 3  # from LARGE_MODEL: 7/8
+INT16 = "its running sum is int16"
+
+
+@dataclass(frozen=True)
+class MomentumFlags:
+    """the momentum rule's own flags (--optimizer momentum)"""
+
+    momentum_shift: Annotated[int, *flag("[0, 7]", training=True, why=INT16)] = 0
+    """the running sum keeps 1 - 2**-shift of itself per generation (0: 3 from 1M parameters, else
+    2)"""
+    max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
+    """moves of up to this many steps (0: 2 from 10,000 pairs or 1M parameters, else 1)"""
+
+
+def momentum_chooses(flags: MomentumFlags, sizes: Sizes) -> MomentumFlags:
+    """--momentum_shift 0 and --max_step 0 chosen by the model's size and the pairs an update
+    weighs."""
+    large = sizes.parameters >= LARGE_MODEL
+    shift = flags.momentum_shift or (LARGE_MOMENTUM_SHIFT if large else MOMENTUM_SHIFT)
+    steps = flags.max_step or (2 if sizes.pairs >= STEP2_PAIRS or large else 1)
+    return replaced(flags, momentum_shift=shift, max_step=steps)
 
 
 def u_shift(z_std: float) -> int:
@@ -1057,47 +1235,48 @@ def standardise(z, shift: int):
     return jnp.clip(round_shift(jnp.clip(z, -reach, reach), shift), -INT8_MAX, INT8_MAX)
 
 
-def momentum_step(z, state, test: Test, cfg: Config):
+def momentum_step(z, state, evidence: Evidence, flags: MomentumFlags):
     """u = standardise(Z); m <- m - round(m / 2**momentum_shift) + u; the entry moves sign(m) x
     min(k, max_step) steps, k = floor(|m| / (threshold + 1)) the thresholds' worth m holds (k >= 1
     exactly where |m| > threshold), and m restarts at 0 where it moved: the evidence is spent on
     the move (docs/results.org). |u| <= 127, so |m| stays <= 127 x 2**shift <= 16256 for shifts
     <= 7 (int16: x - round(x / 2**k) + 127 <= 127 x 2**k for every x <= 127 x 2**k); a threshold
     of INT32_MAX (nothing moves) is divided by as INT32_MAX, not overflowed."""
-    u = standardise(z, u_shift(test.z_std))
-    m = state["m"].astype(i32) - round_shift(state["m"], cfg.momentum_shift) + u
-    held = jnp.abs(m) // (jnp.minimum(test.threshold, INT32_MAX - 1) + 1)
-    steps = jnp.minimum(held, cfg.max_step)
-    return jnp.sign(m) * steps, {"m": jnp.where(steps > 0, 0, m).astype(jnp.int16)}
+    u = standardise(z, u_shift(evidence.z_std))
+    m = state["m"].astype(i32) - round_shift(state["m"], flags.momentum_shift) + u
+    held = jnp.abs(m) // (jnp.minimum(evidence.threshold, INT32_MAX - 1) + 1)
+    steps = jnp.minimum(held, flags.max_step)
+    return jnp.sign(m) * steps, {"m": jnp.where(steps > 0, 0, m)}
 
 
-def momentum_spread(z_std: float, cfg: Config) -> float:
+def momentum_spread(z_std: float, flags: MomentumFlags) -> float:
     """The null std of m = rho m + u, rho = 1 - 2**-momentum_shift: u's / sqrt(1 - rho**2) (u is
     independent from one generation to the next: every generation draws new noise), u's being Z's
     scaled by 2**-u_shift plus the rounding's variance 1/12 (none when the shift is 0; the clip to
     +-127 is more than 4 std out and is neglected)."""
     k = u_shift(z_std)
     u_std = math.sqrt((z_std / 2**k) ** 2 + (1 / 12 if k else 0))
-    rho = 1 - 2.0**-cfg.momentum_shift
+    rho = 1 - 2.0**-flags.momentum_shift
     return u_std / math.sqrt(1 - rho**2)
 
 
 RULES = {
     "ztest": Rule(
         ztest_step,
-        spread=lambda z_std, cfg: z_std,
-        reach=lambda z_reach, cfg: z_reach,
+        spread=lambda z_std, flags: z_std,
+        reach=lambda z_reach, flags: z_reach,
         tests="|Z|",
         state={},
-        flags=("null_from_scores",),
+        flags=ZTestFlags,
     ),
     "momentum": Rule(
         momentum_step,
         spread=momentum_spread,
-        reach=lambda z_reach, cfg: INT8_MAX << cfg.momentum_shift,
+        reach=lambda z_reach, flags: INT8_MAX << flags.momentum_shift,
         tests="running sum |m|",
         state={"m": jnp.int16},
-        flags=("momentum_shift", "max_step"),
+        flags=MomentumFlags,
+        resolve=momentum_chooses,
     ),
 }
 
@@ -1132,7 +1311,7 @@ def null_std(cfg: Config) -> tuple[float, float]:
         return float(np.mean(values**2))
 
     a, b = second_moment(tables.gauss), second_moment(tables.gauss_rank)
-    weighted = scored_pairs(cfg) * SHAPINGS[cfg.shaping].rms() ** 2 * a  # variance of sum_j w_j a_j
+    weighted = scored_pairs(cfg) * shaping_rms(cfg) ** 2 * a  # variance of sum_j w_j a_j
     if not cfg.rank:
         return math.sqrt(weighted), math.sqrt(weighted)
     k = weighted_shift(cfg)
@@ -1158,8 +1337,8 @@ def z_thresholds(cfg: Config, alpha: float) -> np.ndarray:
     A level too small for float64 (1 - alpha / 2 rounds to 1) gets the largest int32: nothing
     moves."""
     z = statistics.NormalDist().inv_cdf(1 - alpha / 2) if 1 - alpha / 2 < 1 else math.inf
-    rule = RULES[cfg.optimizer]
-    spreads = np.array([rule.spread(std, cfg) for std in null_std(cfg)])
+    rule = RULES[cfg.rule]
+    spreads = np.array([rule.spread(std, cfg.rule_flags) for std in null_std(cfg)])
     return np.minimum(np.floor(z * spreads), INT32_MAX).astype(np.int32)
 
 
@@ -1188,7 +1367,7 @@ def z_statistic(noise, weights, cfg: Config):
 
 def z_statistics(noise, weights, cfg: Config) -> dict:
     """{parameter: Z} of these pairs' noise (leading axis: the pairs) and weights (pairs,)."""
-    return {name: z_statistic(noise[name], weights, cfg) for name in PARAM_NAMES}
+    return {name: z_statistic(noise[name], weights, cfg) for name in parameters_of(cfg)}
 
 
 def pair_weights(scores, cfg: Config):
@@ -1200,41 +1379,53 @@ def pair_weights(scores, cfg: Config):
 
 def init_state(cfg: Config) -> dict:
     """One model's update rule state, keyed 'SLOT/NAME', each the parameter's shape, from 0."""
-    slots = RULES[cfg.optimizer].state
+    slots = RULES[cfg.rule].state
     return {
-        f"{slot}/{k}": jnp.zeros(full_shape(k, cfg), dtype)
+        f"{slot}/{name}": jnp.zeros(full_shape(p, cfg), dtype)
         for slot, dtype in slots.items()
-        for k in PARAM_NAMES
+        for name, p in parameters_of(cfg).items()
     }
 
 
 def apply_rule(params, rule_state, z: dict, weights, thresholds, cfg: Config):
-    """One model's update from its Z: each parameter moves where --optimizer's rule says, clipped to
-    int8. weights: every noise's (pair_weights); thresholds (2,) int32, the matrices' and the
-    vectors'; rule_state: the rule's (init_state). Returns the new parameters, the new rule state
-    and how many entries moved in each tensor, each layer counted apart (so that every count fits
-    int32; the host adds them up)."""
-    rule, stds = RULES[cfg.optimizer], null_std(cfg)
+    """One model's update from its Z: each parameter moves where the rule (--optimizer) says,
+    clipped to int8. weights: every noise's (pair_weights); thresholds (2,) int32, the matrices'
+    and the vectors'; rule_state: the rule's (init_state), stored in each slot's dtype. Returns the
+    new parameters, the new rule state and how many entries moved in each tensor, each layer counted
+    apart (so that every count fits int32; the host adds them up)."""
+    rule, stds, square_sum = RULES[cfg.rule], null_std(cfg), expected_square_sum(cfg)
     new, new_state, moved = {}, {}, []
-    for name in PARAM_NAMES:
-        kind = kind_of(name)
+    for name, p in parameters_of(cfg).items():
+        kind = MATRIX if p.matrix else VECTOR
+        evidence = Evidence(thresholds[kind], stds[kind], weights, square_sum)
         mine = {slot: rule_state[f"{slot}/{name}"] for slot in rule.state}
-        step, mine = rule.step(z[name], mine, Test(thresholds[kind], stds[kind], weights), cfg)
-        new_state.update({f"{slot}/{name}": value for slot, value in mine.items()})
+        step, mine = rule.step(z[name], mine, evidence, cfg.rule_flags)
+        for slot, dtype in rule.state.items():
+            new_state[f"{slot}/{name}"] = mine[slot].astype(dtype)
         new[name] = clip_int8(params[name].astype(i32) + step)
         changed = new[name] != params[name]
-        layers = changed.shape[0] if name in BLOCK else 1
+        layers = changed.shape[0] if p.layered else 1
         moved.append(jnp.sum(changed.reshape(layers, -1), axis=1, dtype=i32))
     return new, new_state, jnp.concatenate(moved)
 
 
 def pair_mean(states):
     """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
-    of their two hidden states, rounded half away from zero (int8: |mean| <= 127). states (M, L,
-    E)."""
+    of their two states, rounded half away from zero (int8: |mean| <= 127). states (M, ...)."""
     pairs = states.astype(i32).reshape((-1, 2) + states.shape[1:])
     mean = round_shift(pairs[:, 0] + pairs[:, 1], 1).astype(jnp.int8)
     return jnp.repeat(mean, 2, axis=0)
+
+
+# Every flag: the run's own (RunFlags) and each entry's, gathered (egg/flags.py). An entry's own
+# flags act under it alone, alpha's under the rules that read a threshold: a resume compares a
+# setting only where it acts in both runs.
+Args = gathered("Args", RunFlags, model=MODELS, shaping=SHAPINGS, optimizer=RULES)
+ALPHA_FLAGS = ("alpha", "alpha_decay_timestep", "alpha_floor")
+THRESHOLDED = tuple(name for name, rule in RULES.items() if rule.alpha)  # the rules that read one
+CONDITIONS = conditions(model=MODELS, shaping=SHAPINGS, optimizer=RULES) | {
+    name: ("optimizer", THRESHOLDED) for name in ALPHA_FLAGS
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1259,29 +1450,22 @@ def fewer_pairs(cfg: Config) -> str:
 
 
 def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
-    """{accumulator: (largest magnitude it can reach, what would shrink it)}, the shaping's too."""
+    """{accumulator: (largest magnitude it can reach, what would shrink it)}: the model's, the
+    method's and the shaping's."""
     tables, shaping = make_tables(cfg.rank), SHAPINGS[cfg.shaping]
-    a_max = int(np.abs(tables.gauss).max())
     b_max = int(np.abs(tables.gauss_rank).max())
-    n_in = 4 * cfg.n_embd  # the widest matmul input (the MLP's down projection)
-    x_b = INT8_MAX * b_max * n_in  # x B
-    u_a = (x_b >> NOISE_FRAC) * a_max * cfg.rank  # ((x B) >> 4) A^T
+    a_max = int(np.abs(tables.gauss).max())
     z_vector = scored_pairs(cfg) * shaping.largest * (a_max if cfg.use_clt else 1)
     k = weighted_shift(cfg)  # a low-rank Z sums int8 round(w_j a / 2**k) times b
     z_matrix = noise_pairs(cfg) * shifted(weighted_max(cfg), k) * cfg.rank
     z_matrix *= b_max if cfg.use_clt else 1
-    if cfg.rank == 0:  # full-rank noise: x E^T, and Z sums single noise entries as a vector's does
-        x_b, u_a, z_matrix = 0, INT8_MAX * a_max * n_in, z_vector
+    if cfg.rank == 0:  # full-rank noise: Z sums single noise entries as a vector's does
+        z_matrix = z_vector
     repeats = cfg.population // (2 * cfg.distinct_pairs)
     squares = noise_pairs(cfg) * (repeats * shaping.largest) ** 2
-    largest = max(math.prod(param_shape(k, cfg)) for k in PARAM_NAMES)
+    largest = max(math.prod(p.shape) for p in parameters_of(cfg).values())
     smaller, tokens = fewer_pairs(cfg), "a smaller --tokens_per_update"
-    bounds = {
-        "matmul accumulator x W^T + sigma x E^T": (
-            INT8_MAX**2 * n_in + u_a,
-            "a smaller --n_embd or --rank",
-        ),
-        "low-rank product x B": (x_b, "a smaller --n_embd"),
+    bounds = MODELS[cfg.model].bounds(cfg) | {
         "fitness (log2-likelihood sum)": (LL_BOUND * cfg.tokens, tokens),
         # both members' fitness lie in [-LL_BOUND T, 0]
         "fitness difference of a pair": (LL_BOUND * cfg.tokens, tokens),
@@ -1297,7 +1481,7 @@ def accumulator_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
 
 def num_parameters(cfg: Config) -> int:
     """Parameters of one model."""
-    return sum(math.prod(full_shape(k, cfg)) for k in PARAM_NAMES)
+    return sum(math.prod(full_shape(p, cfg)) for p in parameters_of(cfg).values())
 
 
 def product_engine(flag: str, platform: str, rank: int) -> str:
@@ -1307,31 +1491,33 @@ def product_engine(flag: str, platform: str, rank: int) -> str:
     (a GPU that cannot run the kernel: start_devices)."""
     if flag == "xla" or rank != 1:
         return "xla"
-    if platform not in ("gpu", "cuda", "rocm"):
+    if platform not in GPUS:
         return "interpret" if flag == "pallas" else "xla"
     return "pallas"
 
 
 def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -> Config:
     """The static configuration of a run on `devices` JAX devices of a platform (default: one CPU's
-    worth). A CPU split into --cpu_devices of them counts as one device of
-    --parallel_generations_per_gpu."""
+    worth), every value the flags let the run choose chosen. A CPU split into --cpu_devices of them
+    counts as one device of --parallel_generations_per_gpu."""
     shards = max(args.cluster.cpu_devices, 1)
     devices = shards if devices is None else devices
     population = args.parallel_generations_per_gpu * devices // shards
+    kernels = product_engine(args.model.kernels, platform, args.rank)
     cfg = Config(
+        model=args.model.model,
         n_layer=args.model.n_layer,
         n_embd=args.model.n_embd,
         init_std=args.model.init_std,
         residual_shift=args.model.residual_shift,
+        model_flags=entry_flags(args, MODELS, args.model.model),
         rank=args.rank,
         use_clt=args.use_clt,
         shaping=args.shaping,
-        optimizer=args.optimizer,
-        momentum_shift=args.momentum_shift,
-        max_step=args.max_step,
-        null_from_scores=args.null_from_scores,
-        noise_reuse=args.noise_reuse,
+        shaping_flags=entry_flags(args, SHAPINGS, args.shaping),
+        rule=args.optimizer,
+        rule_flags=entry_flags(args, RULES, args.optimizer),
+        noise_reuse=args.noise_reuse or None,  # --noise_reuse 0: one set for the whole run
         shared_pair_state=args.shared_pair_state,
         group_size=args.group_size,
         tokens=args.tokens_per_update,
@@ -1341,8 +1527,9 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         distinct_pairs=(args.num_perturbations or population) // 2,
         devices=devices,
         replicas=args.pbt.replicas,
-        kernels=product_engine(args.model.kernels, platform, args.rank),
-        noise_per_segment=platform in ("gpu", "cuda", "rocm"),
+        kernels=kernels,
+        unrolled=kernels != "xla",
+        noise_per_segment=platform in GPUS,
     )
     while (
         not args.segments
@@ -1351,13 +1538,13 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
     ):
         cfg = cfg._replace(segments=cfg.segments - 1)  # --segments 0: as many as int32 allows
     parameters = num_parameters(cfg)
-    large = parameters >= LARGE_MODEL
-    two_steps = scored_pairs(cfg) >= STEP2_PAIRS or large
     sized_shift = QUARTER_SHIFT if parameters >= QUARTER_MODEL else 0
     shift = cfg.residual_shift if cfg.residual_shift >= 0 else sized_shift
-    memory = args.momentum_shift or (LARGE_MOMENTUM_SHIFT if large else MOMENTUM_SHIFT)
-    steps = args.max_step or (2 if two_steps else 1)
-    return cfg._replace(max_step=steps, residual_shift=shift, momentum_shift=memory)
+    rule = RULES[cfg.rule]
+    rule_flags = cfg.rule_flags
+    if rule.resolve is not None:
+        rule_flags = rule.resolve(rule_flags, Sizes(parameters, scored_pairs(cfg)))
+    return cfg._replace(residual_shift=shift, rule_flags=rule_flags)
 
 
 def replicas_of(args: Args) -> list[Replica]:
@@ -1384,40 +1571,22 @@ def check_bounds(cfg: Config) -> None:
 
 
 def check_args(args: Args) -> None:
-    """Refuse a bad configuration in one line naming the flag, before anything is compiled."""
-    check_ranges(args)
-    p, g, n = args.parallel_generations_per_gpu, args.group_size, args.num_perturbations
-    proc, procs = args.cluster.proc_id, args.cluster.num_procs
-    refusals = [
-        (p % 2, f"--parallel_generations_per_gpu must be even (antithetic pairs), got {p}"),
-        (g % 2 or p % g, f"--group_size must be even and divide the population {p}, got {g}"),
-        (
-            n and (n % 2 or p % n),
-            f"--num_perturbations must be even and divide the population {p}, got {n}",
-        ),
-        (args.model.n_embd % 4, f"--n_embd must be a multiple of 4, got {args.model.n_embd}"),
-        (proc >= procs, f"--proc_id must be below --num_procs, got {proc} of {procs}"),
-    ]
-    for refused, text in refusals:
-        if refused:
-            raise UserError(text)
-    pbt.check(args.pbt)
-    for k, replica in enumerate(replicas_of(args)):
-        which = f" (replica {k})" if args.pbt.replicas > 1 else ""
-        for name in pbt.EXPLORED:
-            check_range(Args, name, getattr(replica, name), which)
+    """Refuse a bad configuration in one line naming the flag, before anything is compiled: every
+    flag's range and choices and every replica's settings (egg/command.py), then the bounds."""
+    command.check_flags(args, replicas_of(args))
     check_bounds(make_config(args))
 
 
 def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
     """Refuse a fixed alpha of a replica so small that its threshold is beyond the largest value of
     what the rule tests (|Z|, the running sum |m|) an entry can reach at this population: no
-    parameter could ever move. (A schedule starts at alpha 1.)"""
-    bounds, rule = accumulator_bounds(cfg), RULES[cfg.optimizer]
-    for replica in replicas:
+    parameter could ever move. (A schedule starts at alpha 1; a rule that reads no threshold reads
+    no alpha.)"""
+    bounds, rule = accumulator_bounds(cfg), RULES[cfg.rule]
+    for replica in replicas if rule.alpha else ():
         thresholds = z_thresholds(cfg, alpha_at(cfg, replica, 0))
         for kind, threshold in zip(("matrix", "vector"), thresholds, strict=True):
-            reach = rule.reach(bounds[f"Z of a {kind} entry"][0], cfg)
+            reach = rule.reach(bounds[f"Z of a {kind} entry"][0], cfg.rule_flags)
             if threshold >= reach:
                 where = f"--alpha {replica.alpha:g} at population {cfg.population}"
                 beyond = f"the largest {rule.tests} a {kind} entry can reach ({reach:,})"
@@ -1427,61 +1596,29 @@ def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
                 )
 
 
-def retired(name: str, value=None) -> UserError:
-    """The refusal of a variant that was tried and not adopted."""
-    what = f"--{name}" + ("" if value is None or value is True else f" {value}")
-    return UserError(
-        f'{what}: tried and not adopted (docs/results.org, "Tried, not adopted"); its code left '
-        f"after commit {RETIRED_AFTER}, which has it"
-    )
-
-
-def parse_args(argv: list[str], cls: type | None = None) -> Args:
-    """Args (or a subclass's flags: bench.py's) from the command line (egg/flags.py: tyro's forms,
-    the sweeps' booleans, nano-egg's --fast_fitness, the --algorithm upstream preset). With
-    --resume PATH, over that run's flags: all but those a flag's facts say are not carried, writing
-    where the checkpoint lies (beside it, and in its run folder where it is <runs_dir>/<run_name>/
-    checkpoints)."""
-    cls = cls or Args
-    for name in RETIRED_FLAGS:
-        if any(flag_given(argv, f"{no}{name}") for no in ("", "no-", "no_")):
-            raise retired(name)
-    recorded, folder = resume.recorded_flags(parse(cls, argv).checkpoints.resume)
-    for name, value in RETIRED_SETTINGS.items():
-        if recorded.get(name) == value:
-            raise retired(name, value)
-    if recorded:
-        facts = facts_of(cls)
-        recorded = {k: v for k, v in recorded.items() if k not in facts or facts[k].carried}
-        recorded = SINCE | recorded  # a setting that came later: as that run trained
-        recorded["save_dir"] = str(folder.parent)
-        # <runs_dir>/<run_name>/checkpoints: that run folder
-        if folder.parent.name == "checkpoints":
-            run_folder = folder.parent.parent
-            recorded |= {
-                "runs_dir": str(run_folder.parent),
-                "run_name": run_folder.name,
-                "save_dir": "",
-            }
-    args = parse(cls, argv, recorded)
-    settings = flat(args)
-    for name, value in RETIRED_SETTINGS.items():
-        if settings.get(name) == value:
-            raise retired(name, value)
-    return args
-
-
 # ------------------------------------------------------------------------------------------------
 # Generation step: one generation of every replica as one jitted call on every device: each
 # device evaluates its share of the population (population_fitness), the one collective gathers
 # every pair's int8 score, then every device rebuilds all the noise from its counters and applies
-# the identical update (update).
+# the identical update (update). Each is written for one replica; every_replica adds the replicas.
 
 POP = "pop"  # the mesh axis the population (and the validation rows) are spread over
 # parameters, update rule state, batches: whole everywhere
 REPLICATED = jax.sharding.PartitionSpec()
 # states and fitness (K, members, ...): members spread
 SPREAD = jax.sharding.PartitionSpec(None, POP)
+
+
+def every_replica(one_replica: Callable, shared: tuple[int, ...] = ()) -> Callable:
+    """one_replica, written for one model, over the leading replica axis (K) of each of its
+    arguments but those at the indices `shared` (the same for every replica): the one place the
+    replicas are added."""
+
+    def replicas(*args):
+        axes = tuple(None if i in shared else 0 for i in range(len(args)))
+        return jax.vmap(one_replica, in_axes=axes)(*args)
+
+    return replicas
 
 
 def device_members(cfg: Config, batch):
@@ -1492,58 +1629,60 @@ def device_members(cfg: Config, batch):
     return start, batch[(start + jnp.arange(members)) // cfg.group_size]
 
 
-def noise_sources(cfg: Config, seeds, generation, start):
-    """(noise_of, z_of) of a device whose first member is `start`: noise_of(segment) the noise of
-    this device's pairs in a segment (K, its distinct pairs, ...); z_of(weights (K, S, D)) every
-    parameter's Z (K, ...) over every pair of every segment. With cfg.noise_per_segment each
-    segment's noise is built where it is used, twice (for the fitness, then for Z, summed segment
-    by segment); else every segment's at once, threefry once a pair, kept for the update."""
+def noise_sources(cfg: Config, seed, generation, start):
+    """(noise_of, z_of) of one replica on the device whose first member is `start`: noise_of(
+    segment) the noise of this device's pairs in a segment (its distinct pairs, ...); z_of(weights
+    (segments, D)) every parameter's Z over every pair of every segment. Every segment's noise at
+    once, threefry once a pair, kept for the update; the one place that chooses to build each
+    segment's where it is used instead (cfg.noise_per_segment: a GPU's memory)."""
+    if cfg.noise_per_segment:
+        return segment_noise_sources(cfg, seed, generation, start)
     distinct = min(cfg.distinct_pairs, cfg.population // cfg.devices // 2)  # this device's
     offset = (start // 2) % cfg.distinct_pairs
-    if cfg.noise_per_segment:
-
-        def noise_of(segment, first=offset, count=distinct):
-            def one(seed):
-                return segment_noise(cfg, seed, generation, segment, first, count)
-
-            return jax.vmap(one)(seeds)
-
-        def z_of(weights):
-            def add(z, segment):
-                noise = noise_of(segment, 0, cfg.distinct_pairs)
-                found = jax.vmap(partial(z_statistics, cfg=cfg))(noise, weights[:, segment])
-                return jax.tree.map(jnp.add, z, found), None
-
-            zero = {k: jnp.zeros((cfg.replicas,) + full_shape(k, cfg), i32) for k in PARAM_NAMES}
-            return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
-
-        return noise_of, z_of
-    noise = jax.vmap(lambda seed: generation_noise(cfg, seed, generation))(seeds)  # (K, S D, ...)
+    noise = generation_noise(cfg, seed, generation)  # (segments x D, ...)
 
     def noise_of(segment):
         first = segment * cfg.distinct_pairs + offset
-        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, distinct, 1), noise)
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, distinct, 0), noise)
 
     def z_of(weights):
-        return jax.vmap(partial(z_statistics, cfg=cfg))(
-            noise, weights.reshape(weights.shape[0], -1)
-        )
+        return z_statistics(noise, weights.reshape(-1), cfg)
 
     return noise_of, z_of
 
 
-def population_fitness(cfg: Config, params, noise_of, states, tokens, sigma_shifts):
-    """Every segment of this device's members in turn (a scan per segment length): their fitness
-    (segments, K, members) and states. tokens (members, T + 1); noise_of(segment) their noise, or
-    None (noise-free: inference)."""
+def segment_noise_sources(cfg: Config, seed, generation, start):
+    """noise_sources' fast path for a GPU's memory: each segment's noise built where it is used,
+    twice (for the fitness, then for Z, summed segment by segment): the same noise and Z."""
+    distinct = min(cfg.distinct_pairs, cfg.population // cfg.devices // 2)  # this device's
+    offset = (start // 2) % cfg.distinct_pairs
+
+    def noise_of(segment, first=offset, count=distinct):
+        return segment_noise(cfg, seed, generation, segment, first, count)
+
+    def z_of(weights):
+        def add(z, segment):
+            found = z_statistics(noise_of(segment, 0, cfg.distinct_pairs), weights[segment], cfg)
+            return jax.tree.map(jnp.add, z, found), None
+
+        zero = {k: jnp.zeros(full_shape(p, cfg), i32) for k, p in parameters_of(cfg).items()}
+        return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
+
+    return noise_of, z_of
+
+
+def population_fitness(cfg: Config, params, noise_of, states, tokens, sigma_shift):
+    """Every segment of this device's members of one replica in turn (a scan per segment length):
+    their fitness (segments, members) and states. tokens (members, T + 1); noise_of(segment) their
+    noise, or None (noise-free: inference)."""
     members = tokens.shape[0]
 
     def segment(states, xs):
         index, inputs, targets = xs
         if cfg.shared_pair_state:
-            states = jax.vmap(pair_mean)(states)
+            states = pair_mean(states)
         fitness, states = forward(
-            params, noise_of(index), states, inputs, targets, sigma_shifts, cfg
+            params, noise_of(index), states, inputs, targets, sigma_shift, cfg
         )
         return states, fitness
 
@@ -1562,16 +1701,12 @@ def population_fitness(cfg: Config, params, noise_of, states, tokens, sigma_shif
 
 
 def update(cfg: Config, params, rule_state, fitness, z_of, thresholds):
-    """Every replica's update from this device's members' fitness (segments, K, members): their
-    scores (--shaping), every device's gathered (the one collective: an int8 score per pair and
-    segment), the pair weights, Z, then the rule. Returns (params, rule_state, moved)."""
-    by_replica = jax.vmap  # over the leading replica axis of every argument
-    shaped = by_replica(partial(shape_fitness, cfg=cfg, axis=POP))(jnp.moveaxis(fitness, 0, 1))
-    scores = jax.lax.all_gather(shaped, POP, axis=2, tiled=True)  # (K, segments, pairs)
-    weights = by_replica(partial(pair_weights, cfg=cfg))(scores.reshape(scores.shape[0], -1))
-    flat_weights = weights.reshape(weights.shape[0], -1)
-    z = z_of(weights)
-    return by_replica(partial(apply_rule, cfg=cfg))(params, rule_state, z, flat_weights, thresholds)
+    """One replica's update from this device's members' fitness (segments, members): their scores
+    (--shaping), every device's gathered (the one collective: an int8 score per pair and segment),
+    the pair weights, Z, then the rule. Returns (params, rule_state, moved)."""
+    scores = jax.lax.all_gather(shape_fitness(fitness, cfg, POP), POP, axis=1, tiled=True)
+    weights = pair_weights(scores.reshape(-1), cfg)  # (segments, distinct pairs)
+    return apply_rule(params, rule_state, z_of(weights), weights.reshape(-1), thresholds, cfg)
 
 
 def compiler_options(cfg: Config) -> dict:
@@ -1600,17 +1735,23 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
 
     step(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts)
         -> (params, rule_state, states, fitness, moved)
-    params, rule_state: each (K, ...); states (K, P, L, E) int8; batch (P / group_size, T + 1)
+    params, rule_state: each (K, ...); states (K, P, ...) int8; batch (P / group_size, T + 1)
     uint8, one data sequence per group of members, the same for every replica; thresholds (K, 2),
     seeds (K,) and sigma_shifts (K,) int32, each replica's own. fitness (K, P) int32, summed over
     the segments; moved (K, tensors) int32."""
 
-    def local(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts):
-        start, tokens = device_members(cfg, batch)
-        noise_of, z_of = noise_sources(cfg, seeds, generation, start)
-        fitness, states = population_fitness(cfg, params, noise_of, states, tokens, sigma_shifts)
+    def generation_of_one(params, rule_state, states, tokens, start, generation, *own):
+        thresholds, seed, sigma_shift = own
+        noise_of, z_of = noise_sources(cfg, seed, generation, start)
+        fitness, states = population_fitness(cfg, params, noise_of, states, tokens, sigma_shift)
         params, rule_state, moved = update(cfg, params, rule_state, fitness, z_of, thresholds)
         return params, rule_state, states, jnp.sum(fitness, axis=0), moved
+
+    def local(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts):
+        start, tokens = device_members(cfg, batch)
+        every = every_replica(generation_of_one, shared=(3, 4, 5))
+        own = (thresholds, seeds, sigma_shifts)
+        return every(params, rule_state, states, tokens, start, generation, *own)
 
     return on_population(local, mesh, cfg)
 
@@ -1620,24 +1761,29 @@ def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     uint8) -> (K, R), the rows spread over the devices (R a multiple of twice their number),
     replicated."""
 
-    def evaluate(params, rows):
-        h = jnp.zeros((cfg.replicas, rows.shape[0], cfg.n_layer, cfg.n_embd), jnp.int8)
-        return forward(params, None, h, rows[:, :-1], rows[:, 1:], None, cfg)[0]
+    def evaluate_one(params, rows):
+        states = jnp.zeros((rows.shape[0],) + MODELS[cfg.model].state(cfg), jnp.int8)
+        return forward(params, None, states, rows[:, :-1], rows[:, 1:], None, cfg)[0]
 
     rows = jax.sharding.PartitionSpec(POP)
     local = jax.shard_map(
-        evaluate, mesh=mesh, in_specs=(REPLICATED, rows), out_specs=SPREAD, check_vma=False
+        every_replica(evaluate_one, shared=(1,)),
+        mesh=mesh,
+        in_specs=(REPLICATED, rows),
+        out_specs=SPREAD,
+        check_vma=False,
     )
     return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, REPLICATED))
 
 
 def init_run(cfg: Config, replicas: list[Replica]):
     """(params, rule_state, states) of a fresh run, each with the leading replica axis: each
-    replica's parameters from its own seed, update rule state from 0, hidden states at zero."""
+    replica's parameters from its own seed, update rule state from 0, states at zero."""
     seeds = jnp.array([r.seed for r in replicas], i32)
-    params = jax.jit(jax.vmap(partial(init_params, cfg)))(seeds)
+    params = jax.jit(every_replica(partial(init_params, cfg)))(seeds)
     stack = partial(jax.tree.map, lambda x: jnp.broadcast_to(x, (cfg.replicas,) + x.shape))
-    states = jnp.zeros((cfg.replicas, cfg.population, cfg.n_layer, cfg.n_embd), jnp.int8)
+    state_shape = MODELS[cfg.model].state(cfg)
+    states = jnp.zeros((cfg.replicas, cfg.population) + state_shape, jnp.int8)
     return params, stack(init_state(cfg)), states
 
 
@@ -1725,27 +1871,40 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# Reading a model: one model (no replica axis) reading bytes noise-free, byte by byte, for text
-# from its integer logits and for the health of its int8 activations.
+# Reading a model: one model reading bytes noise-free, for text from its integer logits and for the
+# health of its int8 activations. A byte model reads a byte a call, carrying its state; a window
+# model reads the window of bytes before each (as long as a member's in training, at most).
 
 
-def one_model(params, cfg: Config, members: int) -> tuple[Model, jax.Array]:
-    """One model's Model, noise-free, for `members` rows read side by side, and their zero states
-    (L, 1, 1, members, 1, E), as carried."""
-    params = jax.tree.map(lambda p: jnp.asarray(p)[None], params)  # a run of one replica
-    model = model_inputs(params, None, make_sides(jnp.zeros((1,), i32), 1), cfg)
-    return model, carried(jnp.zeros((cfg.n_layer, 1, 1, members, 1, cfg.n_embd), jnp.int8), model)
+def window_length(cfg: Config) -> int:
+    """The bytes a window model reads at once: a segment's, as a member reads with one
+    perturbation in training."""
+    return max(length for _, length in segment_lengths(cfg))
+
+
+def one_model(params, cfg: Config, rows: int) -> tuple[Perturbed, Any]:
+    """One model's Perturbed, noise-free, for `rows` read side by side, and their zero states as
+    its byte loop carries them (laid out (1, rows, 1): R = S = 1)."""
+    w = perturbed(params, None, make_sides(0, 1), cfg)
+    model = MODELS[cfg.model]
+    states = jnp.zeros((1, rows, 1) + model.state(cfg), jnp.int8)
+    return w, model.begin(states, cfg) if model.window is None else None
 
 
 @cache
 def make_reader(cfg: Config):
-    """read(params, states (L, 1, 1, 1, 1, E) as carried, byte (1, 1, 1) uint8) -> (states, the
-    next byte's logits (256,) int8 at LOGIT_FRAC), jitted."""
+    """read(params, carried, bytes (n,) uint8) -> (carried, the next byte's logits (256,) int8 at
+    LOGIT_FRAC), jitted: a byte model reads the last byte and carries its state; a window model
+    reads the n bytes (its window) and carries nothing."""
+    model = MODELS[cfg.model]
 
-    def read(params, states, byte):
-        model = one_model(params, cfg, 1)[0]
-        logits, states, _ = token_logits(model, states, byte)
-        return states, logits.reshape(VOCAB)
+    def read(params, carried, context):
+        w = one_model(params, cfg, 1)[0]
+        if model.window is not None:
+            logits = model.window(w, context.reshape(-1, 1, 1, 1), cfg)[0][-1]
+        else:
+            logits, carried, _ = model.step(w, carried, context[-1:].reshape(1, 1, 1), cfg)
+        return carried, logits.reshape(VOCAB)
 
     return jax.jit(read)
 
@@ -1754,12 +1913,15 @@ def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
     """--prompt and its continuation by --max_new_bytes bytes (egg/sampling.py draws them, the same
     for a seed), the prompt read after a byte 0 (the document separator); the logits of each call
     (log2-probabilities at LOGIT_FRAC) are read on the host as bits: a sync point."""
-    read, states = make_reader(cfg), one_model(params, cfg, 1)[1]
+    read, carried = make_reader(cfg), one_model(params, cfg, 1)[1]
+    window = window_length(cfg) if MODELS[cfg.model].window is not None else 1
+    context = b""
 
     def next_bits(data: bytes) -> np.ndarray:
-        nonlocal states
-        for byte in data:  # a byte a call: one program, compiled once, for the prompt and the draws
-            states, logits = read(params, states, np.full((1, 1, 1), byte, np.uint8))
+        nonlocal carried, context
+        for byte in data:  # a byte a call: one program a length, for the prompt and the draws
+            context = (context + bytes([byte]))[-window:]
+            carried, logits = read(params, carried, np.frombuffer(context, np.uint8))
         return np.asarray(logits, np.float64) / 2**LOGIT_FRAC
 
     prompt = sampling.prompt_bytes(flags.prompt)
@@ -1770,17 +1932,21 @@ def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int) -> bytes:
 def make_activations(cfg: Config):
     """activations(params, rows (R, T) uint8) -> {name: (T, [L,] R, width)} int8: every activation
     of one model reading the rows side by side from zero states, jitted."""
+    model = MODELS[cfg.model]
 
     def read_rows(params, rows):
-        model, states = one_model(params, cfg, rows.shape[0])
+        w, carried = one_model(params, cfg, rows.shape[0])
+        if model.window is not None:
+            seen = model.window(w, rows.T.reshape(rows.shape[1], 1, -1, 1), cfg)[1]
+        else:
 
-        def read(states, tok_R):
-            _, states, seen = token_logits(model, states, tok_R.reshape(1, -1, 1))
-            return states, seen
+            def read(carried, tok_R):
+                _, carried, seen = model.step(w, carried, tok_R.reshape(1, -1, 1), cfg)
+                return carried, seen
 
-        seen = jax.lax.scan(read, states, rows.T)[1]  # each (T, [L,] 1, 1, R, 1, width)
+            seen = jax.lax.scan(read, carried, rows.T)[1]  # each (T, [L,] 1, R, 1, width)
         return {
-            k: x.reshape(x.shape[: x.ndim - 5] + (x.shape[-3], x.shape[-1]))
+            k: x.reshape(x.shape[: x.ndim - 4] + (x.shape[-3], x.shape[-1]))
             for k, x in seen.items()
         }
 
@@ -1789,7 +1955,7 @@ def make_activations(cfg: Config):
 
 def activations(params, rows: np.ndarray, cfg: Config) -> dict:
     """Every int8 activation of one model reading rows (R, T) noise-free: {name: (R, T, [L,]
-    width)}, block activations with their layer axis."""
+    width)}, layered activations with their layer axis."""
     return {k: jnp.moveaxis(x, -2, 0) for k, x in make_activations(cfg)(params, rows).items()}
 
 
@@ -1801,10 +1967,13 @@ def activations(params, rows: np.ndarray, cfg: Config) -> dict:
 
 
 def default_run_name(args: Args) -> str:
-    """A run's name from its flags: data, model, alpha, sigma_shift, rank, population x bytes x
-    noise reuse, seed, and upstream's algorithm and the tag where given."""
+    """A run's name from its flags: data, model (its entry where not egg, its shape), alpha,
+    sigma_shift, rank, population x bytes x noise reuse, seed, and upstream's algorithm and the tag
+    where given."""
     data = Path(args.corpus.data).name or "data"
     model = f"{args.model.n_embd}D{args.model.n_layer}L"
+    if args.model.model != "egg":
+        model = f"{args.model.model}{model}"
     population = f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}"
     noise = f"a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}"
     name = f"{data}-{model}-{noise}-{population}-seed{args.seed}"
@@ -1846,44 +2015,30 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
 
 
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:
-    """Everything besides the generation counter that decides how a run trains (compared when it
-    resumes): the flags whose facts say so, max_step, residual_shift and momentum_shift as
-    resolved, the total population (members per device x devices: the device count alone changes
-    nothing) and the training bytes.
-    --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
-    generation counter only, so a run may be extended."""
-    settings = {k: v for k, v in flat(args).items() if facts_of(Args)[k].training}
-    # as JSON has them
-    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    """What decides how this run trains (egg/resume.py), compared when it resumes: its training
+    flags, with the values it chose where a flag let it (the residual shift, the entries' own
+    flags), its population and its bytes."""
+    chosen = [cfg.model_flags, cfg.shaping_flags, cfg.rule_flags]
+    resolved = {"residual_shift": cfg.residual_shift}
+    for own_flags in chosen:
+        resolved |= flat(own_flags) if own_flags is not None else {}
     fingerprint = corpus.fingerprint(data)
-    resolved = {k: getattr(cfg, k) for k in ("max_step", "residual_shift", "momentum_shift")}
-    return {**settings, **resolved, "population": cfg.population, "data": fingerprint}
+    return resume.training_identity(
+        flat(args), facts_of(Args), resolved, cfg.population, fingerprint
+    )
 
 
-def rule_conditions() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """{flag: (the flag it depends on, the values under which it acts)}: a rule's flags act under it
-    alone (a change that does not act is no change)."""
-    found = {}
-    for name, rule in RULES.items():
-        for setting in rule.flags:
-            found.setdefault(setting, ("optimizer", ()))
-            found[setting] = ("optimizer", found[setting][1] + (name,))
-    return found
+def model_name(cfg: Config) -> str:
+    """The model and its shape, as checkpoints record it: "egg 8D-2L"."""
+    return f"{cfg.model} {cfg.n_embd}D-{cfg.n_layer}L"
 
 
 def expected_arrays(cfg: Config) -> checkpoints.Expected:
     """What a run of this configuration reads from a checkpoint (egg/checkpoints.py)."""
-    params = {k: (full_shape(k, cfg), np.int8) for k in PARAM_NAMES}
-    slots = RULES[cfg.optimizer].state.items()
-    state = {
-        f"{slot}/{k}": (full_shape(k, cfg), np.dtype(dtype))
-        for slot, dtype in slots
-        for k in PARAM_NAMES
-    }
-    states = ((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
-    return checkpoints.Expected(
-        params, state, states, cfg.replicas, f"{cfg.n_embd}D-{cfg.n_layer}L"
-    )
+    params = {k: full_shape(p, cfg) for k, p in parameters_of(cfg).items()}
+    states = (cfg.population, *MODELS[cfg.model].state(cfg))
+    slots = RULES[cfg.rule].state
+    return checkpoints.expected(params, slots, states, cfg.replicas, model_name(cfg))
 
 
 def on_mesh(params, rule_state, states, mesh) -> tuple:
@@ -1897,15 +2052,15 @@ def describe_run(name: str, cfg: Config, mesh, cpus: int, data: Data) -> str:
     """A run's first line, said before its step compiles."""
     replicas = f"{cfg.replicas} replicas of " if cfg.replicas > 1 else ""
     split = f" (one CPU split into {cpus})" if cpus > 1 else ""
-    moves = "max_step" in RULES[cfg.optimizer].flags and cfg.max_step > 1
-    steps = f", up to {cfg.max_step} steps a move" if moves else ""
+    settings = flat(cfg.rule_flags) if cfg.rule_flags is not None else {}
+    rule = ", ".join([cfg.rule] + [f"--{k} {v}" for k, v in settings.items()])
     platform = mesh.devices.flat[0].platform
     return (
         f"egg-jax {name}: {replicas}{num_parameters(cfg):,} int8 parameters, population "
         f"{cfg.population} on {mesh.size} {platform} device(s){split} in {jax.process_count()} "
         f"process(es), {cfg.segments} segment(s) a member ({scored_pairs(cfg):,} pairs an "
-        f"update){steps}, {len(data.train):,} training bytes, {data.valid_rows.size:,} validation "
-        "bytes; compiling the generation step"
+        f"update, {rule}), {len(data.train):,} training bytes, {data.valid_rows.size:,} "
+        "validation bytes; compiling the generation step"
     )
 
 
@@ -1930,7 +2085,7 @@ def generation_metrics(
     bits, size = partial(bits_per_byte, num_tokens=cfg.tokens), num_parameters(cfg)
     per_replica = []
     for f, m, replica in zip(fitness, moved, sent.replicas, strict=True):
-        alpha = float(alpha_at(cfg, replica, sent.generation))
+        alpha = float(alpha_at(cfg, replica, sent.generation)) if RULES[cfg.rule].alpha else None
         per_replica.append(record.train_metrics(f, m, alpha, bits, size))
     metrics = record.replica_metrics(per_replica, [r._asdict() for r in sent.replicas])
     tokens = cfg.population * cfg.tokens * cfg.replicas
@@ -1958,15 +2113,17 @@ def validate(evaluate, params, data: Data) -> list[float]:
 def diagnose(cfg: Config, params, moved: np.ndarray, data: Data) -> list[dict]:
     """diag/ metrics of every replica (egg/diagnostics.py), from the activations of 16 validation
     rows of 64 bytes, the parameters and the moved counts (K, tensors). Sync point."""
-    shape = partial(full_shape, cfg=cfg)
-    tensors = {k: (shape(k)[0] if k in BLOCK else 1, math.prod(shape(k))) for k in PARAM_NAMES}
-    found = []
+    tensors = {
+        k: (cfg.n_layer if p.layered else 1, math.prod(full_shape(p, cfg)))
+        for k, p in parameters_of(cfg).items()
+    }
+    health = []
     for k in range(cfg.replicas):
         model = jax.tree.map(host_copy, replica_of(params, k))
         seen = jax.tree.map(np.asarray, activations(model, data.valid_rows[:16, :65], cfg))
         shares = diagnostics.moved_shares(moved[k], tensors)  # as apply_rule counts them
-        found.append(diagnostics.health(seen, model, shares, INT8_MAX))
-    return found
+        health.append(diagnostics.health(seen, model, shares, INT8_MAX))
+    return health
 
 
 def checkpoint_meta(replicas: list[Replica], scores: list[float], leader: int) -> dict:
@@ -2039,32 +2196,32 @@ def train(args: Args) -> dict:
             wanted = resume.Wanted(
                 expected=expected_arrays(cfg),
                 identity=training_identity(args, cfg, data.train),
-                conditions=rule_conditions(),
+                conditions=CONDITIONS,
                 aliases=aliases(Args),
-                retired=RETIRED_SETTINGS,
-                retired_after=RETIRED_AFTER,
-                since=SINCE,
+                retired=command.RETIRED_SETTINGS,
+                retired_after=command.RETIRED_AFTER,
+                since=since(Args),
             )
             how, allow = args.checkpoints.resume, args.checkpoints.allow_changes
-            found = resume.continue_from(how, folders.checkpoints, wanted, allow, writer)
+            resumed = resume.continue_from(how, folders.checkpoints, wanted, allow, writer)
 
         # The arrays it starts from: the checkpoint's, where they carry over, else fresh ones.
         params, rule_state, states = init_run(cfg, replicas)
-        start = found.meta["generation"] if found else 0
-        if found is not None:
-            params = found.params
-            rule_state = rule_state if found.rule_state is None else found.rule_state
-            states = states if found.states is None else found.states
+        start = resumed.meta["generation"] if resumed else 0
+        if resumed is not None:
+            params = resumed.params
+            rule_state = rule_state if resumed.rule_state is None else resumed.rule_state
+            states = states if resumed.states is None else resumed.states
             # the replicas' settings as PBT left them, unless --allow_changes took new ones
-            recorded = found.meta.get("replica_settings")
-            if recorded and not set(found.changes) & set(pbt.SETTING_FLAGS):
+            recorded = resumed.meta.get("replica_settings")
+            if recorded and not set(resumed.changes) & set(pbt.SETTING_FLAGS):
                 replicas = [Replica(**x) for x in recorded]
         keep, model = args.checkpoints.keep_checkpoints, wanted.expected.model
         checkpointer = checkpoints.Checkpointer(
             folders.checkpoints, flat(args), keep, wanted.identity, writer, model, cfg.replicas
         )
-        if found is not None:
-            checkpointer.best = found.meta.get("best_val_bits_per_byte", math.inf)
+        if resumed is not None:
+            checkpointer.best = resumed.meta.get("best_val_bits_per_byte", math.inf)
         # (params, rule state, states): donated to the step, which returns their next values
         carry = on_mesh(params, rule_state, states, mesh)
         console = record.Console(args.num_epochs, start, writer, started)
@@ -2076,9 +2233,9 @@ def train(args: Args) -> dict:
             ended = Ended(scores, leader, replicas, stopped=True)
             return finish(console, args, cfg, folders, carry[0], {}, ended)
         # what --allow_changes let by
-        changes = resume.describe_changes(found.changes) if found else ""
-        if found is not None:
-            at = f"{found.folder} at generation {start}"
+        changes = resume.describe_changes(resumed.changes) if resumed else ""
+        if resumed is not None:
+            at = f"{resumed.folder} at generation {start}"
             console.log(f"resuming from {at}; changed: {changes or 'nothing'}")
 
         # Compile ahead of time; the memory is checked before the first generation spends it.
@@ -2091,7 +2248,7 @@ def train(args: Args) -> dict:
         members = args.parallel_generations_per_gpu
         with cluster.refused_together():  # each process checks its own devices' memory
             cluster.check_memory(mesh, compiled.temporaries, members, member_unit(args))
-        saved = f"{found.folder} stays the newest checkpoint" if found else "nothing saved"
+        saved = f"{resumed.folder} stays the newest checkpoint" if resumed else "nothing saved"
         stop.check(f"before generation {start + 1}: {saved}")
         baselines = corpus.describe_baselines(data.baselines)
         console.log(f"baselines on the validation bytes, in bits/byte: {baselines}")
@@ -2194,21 +2351,28 @@ def train(args: Args) -> dict:
 # sample. A run of several processes is launched under a supervisor (egg/supervisor.py).
 
 
+def model_settings(training: dict) -> tuple[str, ...]:
+    """The training settings that decide a checkpoint's model (`training`, its recorded ones):
+    which, its shape, how its blocks join the residual stream, and its entry's own flags."""
+    own = MODELS[training.get("model", "egg")].flags
+    return ("model", "n_embd", "n_layer", "residual_shift", *(flat(own()) if own else ()))
+
+
 def sample(args: Args) -> str:
     """--sample: print a continuation of --prompt by --resume's model (a stop signal: Stopped)."""
     check_ranges(args)
     with StopSignal() as stop:  # from here on a stop signal ends it in one line, the model loaded
-        which, shape = args.sampling.sample_replica, ("n_embd", "n_layer", "residual_shift")
-        folder = run_folders(args).checkpoints
-        found = resume.sampled(args.checkpoints.resume, folder, which, shape, SINCE)
-        cfg = make_config(single_run(args, **{k: found.training[k] for k in shape}))
-        expected = expected_arrays(cfg._replace(replicas=found.replicas))
-        params = checkpoints.load_checkpoint(found.folder, expected).params
-        if found.setting:
-            setting = pbt.settings_text(found.setting)
-            print(f"replica {found.chosen} of {found.replicas} ({setting})")
-        model = jax.tree.map(jnp.asarray, replica_of(params, found.chosen))
-        text = sampling.printable(sample_text(model, cfg, args.sampling, args.seed))
+        which, folder = args.sampling.sample_replica, run_folders(args).checkpoints
+        chosen = resume.sampled(args.checkpoints.resume, folder, which, model_settings, since(Args))
+        model = {k: chosen.training[k] for k in model_settings(chosen.training)}
+        cfg = make_config(single_run(args, **model))
+        expected = expected_arrays(cfg._replace(replicas=chosen.replicas))
+        params = checkpoints.load_checkpoint(chosen.folder, expected).params
+        if chosen.setting:
+            setting = pbt.settings_text(chosen.setting)
+            print(f"replica {chosen.chosen} of {chosen.replicas} ({setting})")
+        params = jax.tree.map(jnp.asarray, replica_of(params, chosen.chosen))
+        text = sampling.printable(sample_text(params, cfg, args.sampling, args.seed))
         stop.check("while sampling")
     print(text)
     return text
@@ -2224,24 +2388,19 @@ def prepare_jax(args: Args, platform: str = "") -> Args:
     return replace(args, cpu_devices=shards)
 
 
+def parse_args(argv: list[str], cls: type | None = None) -> Args:
+    """Args (or a subclass's flags: bench.py's) from the command line (egg/command.py)."""
+    return command.parse_args(cls or Args, argv)
+
+
+def work(args: Args) -> None:
+    """What a command line asks: text from a checkpoint (--sample), else training."""
+    args = prepare_jax(args)
+    sample(args) if args.sampling.sample else train(args)
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = parse_args(argv)
-        if cluster.several_processes(args.cluster) and not supervisor.supervised():
-            script, process = Path(__file__).resolve(), args.cluster.proc_id
-            raise SystemExit(supervisor.supervise(script, argv, run_folders(args), process))
-        args = prepare_jax(args)
-        with cluster.compilation_cache_watched():
-            sample(args) if args.sampling.sample else train(args)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except NoRoom as error:  # a write the run needs failed: say what is saved, and how to go on
-        print(f"error: {error}; {record.after_a_failed_write(run_folders(args))}", file=sys.stderr)
-        raise SystemExit(EX_IOERR) from None
-    except cluster.Stopped as stopped:  # before anything was saved (docs/design.org: exit codes)
-        raise SystemExit(stopped.say()) from None
+    command.main(argv, Path(__file__).resolve(), parse_args, work, run_folders)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Checkpoints. One folder per checkpoint, readable without egg-jax:
   params.npz    the int8 parameters, one array per name (numpy's own format)
-  states.npz    the carried hidden states (population, n_layer, n_embd) int8
+  states.npz    the states the members carry (population, ...) int8: EGG's (population, n_layer,
+                n_embd), a model's without one (population, 0)
   optimizer.npz the update rule's state, one array per 'SLOT/NAME' (momentum: int16 m; none for
                 a rule that keeps no state, ztest)
-  meta.json     generation, validation score, format, the model ("8D-2L") and its replicas, every
-                flag of the run, and the settings that decide its training (compared on resume);
-                of several replicas, their settings ("replica_settings", each a dict), last
-                validations ("replica_val_bits_per_byte") and the best ("best_replica"); of the
-                best replica of several, which ("replica") and its settings ("replica_setting")
+  meta.json     generation, validation score, format, the model ("egg 8D-2L") and its replicas,
+                every flag of the run, and the settings that decide its training (compared on
+                resume); of several replicas, their settings ("replica_settings", each a dict),
+                last validations ("replica_val_bits_per_byte") and the best ("best_replica"); of
+                the best replica of several, which ("replica") and its settings
+                ("replica_setting")
 A run of K > 1 replicas stores every array with its leading (K,) axis; a single model, a run of one
 or the best replica of several, without it. Folders are written under their temporary name and
 renamed into place, and the pointer files LATEST and BEST are replaced by rename too: a kill at any
@@ -104,9 +106,22 @@ class Expected(NamedTuple):
 
     params: dict  # {name: (shape, dtype)}
     rule_state: dict  # {'SLOT/NAME': (shape, dtype)} of this run's update rule
-    states: tuple  # ((population, n_layer, n_embd), dtype)
+    states: tuple  # ((population, ...), dtype)
     replicas: int
-    model: str  # e.g. "256D-6L", for the refusal of another model
+    model: str  # e.g. "egg 256D-6L", for the refusal of another model
+
+
+def expected(params: dict, slots: dict, states: tuple, replicas: int, model: str) -> Expected:
+    """The Expected of a run: its int8 parameters {name: shape}, its update rule's slots {slot:
+    dtype} (each parameter's shape, stored as 'SLOT/NAME'), each member's int8 state's shape with
+    the population first, its replicas and its model's name."""
+    rule_state = {
+        f"{slot}/{name}": (shape, np.dtype(dtype))
+        for slot, dtype in slots.items()
+        for name, shape in params.items()
+    }
+    int8 = {name: (shape, np.dtype(np.int8)) for name, shape in params.items()}
+    return Expected(int8, rule_state, (states, np.dtype(np.int8)), replicas, model)
 
 
 class Loaded(NamedTuple):
@@ -155,8 +170,8 @@ def load_checkpoint(folder: Path, expected: Expected) -> Loaded:
         runs = f"{mine} replicas of {expected.model}" if mine > 1 else expected.model
         also = " and --replicas" if held != mine else ""
         raise UserError(
-            f"checkpoint {folder} holds {holds}; this run is {runs}: pass the same --n_embd and "
-            f"--n_layer{also}, or another checkpoint"
+            f"checkpoint {folder} holds {holds}; this run is {runs}: pass the same --model, "
+            f"--n_embd and --n_layer{also}, or another checkpoint"
         )
     if not matches({"states": states}, {"states": expected.states}, stored):
         states = None

@@ -1,7 +1,9 @@
 """Flags: what a flags dataclass knows of each flag besides its type, default and help (its Facts),
 written once beside the flag; the range and choice checks, the --algorithm upstream preset, --help's
 hints, the names older runs recorded and the comparison of a resumed run's settings derive from
-them. And the command line in the forms W&B sweep agents pass.
+them. And the command line in the forms W&B sweep agents pass, and the one flags dataclass that
+gathers a script's own flags with those of its tables' entries (a model's, a fitness shaping's, an
+update rule's, each declared beside its entry).
 
 A flags dataclass holds flags and groups of flags: a field whose type is a flags dataclass of its
 own (a tool's Flags), shown apart in --help under the field's name; every flag is still --name on
@@ -37,6 +39,7 @@ class Facts(NamedTuple):
     carried: bool = True  # a run continued by --resume PATH takes it from the run's record (else
     # from its own command line alone: what to do now, where and on how many processes)
     alias: tuple[str, tuple] | None = None  # (another name, ((its value, this one's), ...))
+    before: Any = None  # the value runs from before this flag trained with, where they record none
 
     def ranged(self) -> bool:
         return (self.low, self.high) != (-math.inf, math.inf)
@@ -125,6 +128,12 @@ def value(args, name: str):
     """A flag's value, wherever it sits."""
     where = hints_of(type(args))[name][0]
     return getattr(getattr(args, where) if where else args, name)
+
+
+def group_of(args, cls: type):
+    """The group of flags of this dataclass (a tool's Flags) that args holds."""
+    groups = [getattr(args, field.name) for field in dataclasses.fields(args)]
+    return next(found for found in groups if isinstance(found, cls))
 
 
 def flat(args) -> dict[str, Any]:
@@ -269,3 +278,53 @@ def parse(cls: type, argv: list[str], recorded: dict | None = None):
         given = {k for k in preset if any(flag_given(out, f"{no}{k}") for no in ("", "no-", "no_"))}
         args = replace(args, **{k: v for k, v in preset.items() if k not in given})
     return args
+
+
+def gathered(name: str, base: type, **tables: dict) -> type:
+    """The flags dataclass `name` of base's flags and of every entry's own: `tables` {the flag that
+    picks an entry: its table {name: entry}}, an entry's `flags` a frozen flags dataclass declared
+    beside it (or None), gathered as a group under the entry's name (--help's section "NAME
+    options"; every flag is still --NAME). An entry's flags that are not a frozen dataclass, or a
+    name of theirs or of their group that is taken, are refused here: when the script that
+    declares them is imported."""
+    taken = set(hints_of(base)) | {field.name for field in dataclasses.fields(base)}
+    fields = []
+    for table in tables.values():
+        for name, entry in table.items():
+            own = entry.flags
+            if own is None:
+                continue
+            if not (dataclasses.is_dataclass(own) and own.__dataclass_params__.frozen):
+                raise TypeError(f"entry {name}: its flags must be a frozen dataclass, got {own!r}")
+            clash = ({name} | set(hints_of(own))) & taken
+            if clash:
+                raise TypeError(f"entry {name}: the name {sorted(clash)[0]} is taken by a flag")
+            taken |= {name} | set(hints_of(own))
+            fields.append(
+                (name, Annotated[own, *section()], dataclasses.field(default_factory=own))
+            )
+    gathered_flags = dataclasses.make_dataclass(name, fields, bases=(base,), frozen=True)
+    gathered_flags.__doc__, gathered_flags.__module__ = base.__doc__, base.__module__
+    return gathered_flags
+
+
+def entry_flags(settings, table: dict, name: str):
+    """The entry `name` of a table: its own flags' values in `settings` (a gathered dataclass), or
+    None where it has none."""
+    return None if table[name].flags is None else getattr(settings, name)
+
+
+def conditions(**tables: dict) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{flag: (the flag that picks an entry, the entries under which it acts)}: an entry's own flags
+    act under it alone (`tables` as gathered's)."""
+    found = {}
+    for picker, table in tables.items():
+        for name, entry in table.items():
+            for flag_name in hints_of(entry.flags) if entry.flags is not None else ():
+                found[flag_name] = (picker, (name,))
+    return found
+
+
+def since(cls: type) -> dict[str, Any]:
+    """{flag: the value runs from before it trained with} of every flag whose facts say one."""
+    return {name: f.before for name, f in facts_of(cls).items() if f.before is not None}

@@ -170,16 +170,19 @@ class RunRecord:
                 )
 
 
-def train_metrics(fitness: np.ndarray, moved: np.ndarray, alpha: float, bits, size: int) -> dict:
+def train_metrics(
+    fitness: np.ndarray, moved: np.ndarray, alpha: float | None, bits, size: int
+) -> dict:
     """A replica's train/ metrics of a generation from its members' fitness (`bits` turns one into
-    bits/byte) and its update's moved counts (of `size` parameters)."""
-    return {
+    bits/byte), its update's moved counts (of `size` parameters) and its alpha (None: its update
+    rule reads none)."""
+    metrics = {
         "train/bits_per_byte": bits(fitness.mean()),
         "train/best_bits_per_byte": bits(fitness.max()),
         "train/worst_bits_per_byte": bits(fitness.min()),
         "train/moved_fraction": int(np.sum(moved, dtype=np.int64)) / size,
-        "train/alpha": alpha,
     }
+    return metrics if alpha is None else metrics | {"train/alpha": alpha}
 
 
 def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:

@@ -76,24 +76,20 @@ def set_aside(folder: Path) -> Path | None:
     return target
 
 
-def check_format(meta: dict, folder: Path, identity: dict) -> None:
-    """Refuse a checkpoint of another format than CHECKPOINT_FORMAT, or one that does not record a
-    setting this run's training depends on (it predates the flag), naming the commit that reads
-    it."""
+def check_format(meta: dict, folder: Path) -> None:
+    """Refuse a checkpoint of another format than CHECKPOINT_FORMAT, naming the commit that reads an
+    older one."""
     found = meta.get("format", 1)
-    missing = sorted(set(identity) - set(meta.get("training") or {}))
-    if found == CHECKPOINT_FORMAT and not missing:
-        return
     if found > CHECKPOINT_FORMAT:
         raise UserError(
             f"--resume: {folder} is of format {found}, newer than this egg-jax's: update it"
         )
-    lacks = f", which records no {', '.join('--' + k for k in missing[:3])}" if missing else ""
-    raise UserError(
-        f"--resume: {folder} was written by an older egg-jax (format {found}{lacks}); "
-        f"continue it with the code of commit {LAST_READER_OF_OLDER}, the last that reads it, "
-        "or start a new run"
-    )
+    if found < CHECKPOINT_FORMAT:
+        raise UserError(
+            f"--resume: {folder} was written by an older egg-jax (format {found}); continue it "
+            f"with the code of commit {LAST_READER_OF_OLDER}, the last that reads it, or start a "
+            "new run"
+        )
 
 
 class Sampled(NamedTuple):
@@ -113,12 +109,10 @@ def replicas_held(meta: dict) -> int:
     return 1 if "replica" in meta else len(meta.get("replica_settings") or [None])
 
 
-def sampled(
-    resume: str, save_dir: Path, which: int, needs: tuple[str, ...], since: dict
-) -> Sampled:
+def sampled(resume: str, save_dir: Path, which: int, needs, since: dict) -> Sampled:
     """The checkpoint --sample --resume reads and the replica of it `which` names (-1: the best by
     its last validation), refused in one line where there is none or where it does not record the
-    settings `needs` names (the model's shape); `since` as Wanted's."""
+    settings `needs(its training settings)` names (its model's); `since` as Wanted's."""
     if not resume:
         raise UserError(
             "--sample needs --resume PATH: a run folder, its checkpoints folder or one checkpoint"
@@ -132,7 +126,13 @@ def sampled(
         meta["training"] = {**since, **(meta.get("training") or {})}
     except (OSError, ValueError, KeyError, TypeError):
         raise UnreadableCheckpoint(found[0], "no meta.json with the run's flags") from None
-    check_format(meta, found[0], dict.fromkeys(needs))
+    check_format(meta, found[0])
+    missing = [name for name in needs(meta["training"]) if name not in meta["training"]]
+    if missing:
+        raise UserError(
+            f"--sample: {found[0]} records no --{missing[0]}: it predates the flag, which its "
+            "model reads; sample it with the code that trained it"
+        )
     training, replicas = meta["training"], replicas_held(meta)
     if replicas == 1:
         return Sampled(found[0], flags, training, 1, 0, None)
@@ -149,11 +149,18 @@ def acts(settings: dict, name: str, conditions: dict) -> bool:
     return condition is None or settings.get(condition[0]) in condition[1]
 
 
+ABSENT = "(not recorded)"  # a setting's value in a checkpoint from before the setting
+
+
 def training_changes(old: dict, identity: dict, conditions: dict) -> dict[str, tuple]:
     """{setting: (the checkpoint's value, this run's)} for every setting that differs and acts in
-    both (where one acts in one only, the setting deciding that differs, and is listed)."""
+    both (where one acts in one only, the setting deciding that differs, and is listed), and for
+    every setting the checkpoint does not record (it predates it) that acts in it: (ABSENT, this
+    run's). A setting the checkpoint's own training does not read is no change, recorded or not."""
+    absent = [k for k in identity if k not in old and acts(old, k, conditions)]
     both = [k for k in identity if acts(old, k, conditions) and acts(identity, k, conditions)]
-    return {k: (old[k], identity[k]) for k in both if old[k] != identity[k]}
+    changed = {k: (old[k], identity[k]) for k in both if k in old and old[k] != identity[k]}
+    return {k: (ABSENT, identity[k]) for k in absent} | changed
 
 
 def describe_changes(changes: dict[str, tuple]) -> str:
@@ -161,6 +168,36 @@ def describe_changes(changes: dict[str, tuple]) -> str:
     return ", ".join(
         f"{names.get(k, '--' + k)} {old} -> {new}" for k, (old, new) in changes.items()
     )
+
+
+def refuse_changes(folder: Path, changes: dict[str, tuple]) -> UserError:
+    """The refusal of a checkpoint trained otherwise than this run would: the settings it predates
+    first (there are no values of its to give), else those that differ."""
+    absent = [k for k, (old, _) in changes.items() if old == ABSENT]
+    if absent:
+        flags = ", ".join(f"--{k}" for k in absent)
+        return UserError(
+            f"--resume: {folder} predates {flags}, which its training would read: give "
+            f"--allow_changes to continue it with {describe_changes(changes)}"
+        )
+    return UserError(
+        f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
+        "give the checkpoint's values, or --allow_changes to continue with these"
+    )
+
+
+def training_identity(
+    settings: dict, facts: dict, resolved: dict, population: int, fingerprint: str
+) -> dict:
+    """Everything besides the generation counter that decides how a run trains (compared when it
+    resumes): its flags whose facts say so (`settings` {flag: value}, `facts` {flag: Facts}), those
+    the run chose where a flag let it (`resolved`, as resolved), the total population (members per
+    device x devices: the device count alone changes nothing) and the training bytes' fingerprint.
+    --num_epochs is not one: the alpha schedule, the noise and the data position depend on the
+    generation counter only, so a run may be extended."""
+    kept = {k: v for k, v in settings.items() if facts[k].training}
+    kept = {k: list(v) if isinstance(v, tuple) else v for k, v in kept.items()}  # as JSON has them
+    return {**kept, **resolved, "population": population, "data": fingerprint}
 
 
 class Wanted(NamedTuple):
@@ -189,9 +226,9 @@ class Found(NamedTuple):
 def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool, writer: bool):
     """The checkpoint to continue from (--resume `how`: a path, or auto), a Found, or None for a
     fresh run: a fresh run is refused where save_dir holds checkpoints; a checkpoint of another
-    format, of a variant whose code is gone, or trained with other settings (unless
-    allow_changes). Reads only, except that the writer sets aside a checkpoint that auto found
-    unreadable and points LATEST at the one used."""
+    format, of a variant whose code is gone, or trained with other settings or before a setting
+    its training reads (unless allow_changes). Reads only, except that the writer sets aside a
+    checkpoint that auto found unreadable and points LATEST at the one used."""
     if not how:
         if checkpoints_in(save_dir) or (save_dir / "LATEST").exists():
             raise UserError(
@@ -227,13 +264,10 @@ def continue_from(how: str, save_dir: Path, wanted: Wanted, allow_changes: bool,
                     f"continue it with the code of commit {wanted.retired_after}, "
                     "the last that has it"
                 )
-        check_format(meta, folder, wanted.identity)
+        check_format(meta, folder)
         changes = training_changes(meta["training"], wanted.identity, wanted.conditions)
         if changes and not allow_changes:
-            raise UserError(
-                f"--resume: {folder} was trained with other settings: {describe_changes(changes)}; "
-                "give the checkpoint's values, or --allow_changes to continue with these"
-            )
+            raise refuse_changes(folder, changes)
         if loaded.states is None:
             print(
                 f"warning: {folder} was trained with another population layout: "
