@@ -113,16 +113,19 @@ def make_step(cfg: run.Config, mesh, part: str):
     if part == "train":
         return run.make_generation_step(cfg, mesh)
 
+    def of_one(params, rule_state, states, tokens, start, generation, thresholds, seed, shift):
+        noise_of = run.noise_sources(cfg, seed, generation, start)[0]
+        if part == "inference":
+            noise_of = lambda segment: None  # noqa: E731
+        fitness, states = run.population_fitness(cfg, params, noise_of, states, tokens, shift)
+        return params, rule_state, states, jnp.sum(fitness, axis=0), jnp.zeros((), jnp.int32)
+
     def local(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts):
         start, tokens = run.device_members(cfg, batch)
-        if part == "fitness":
-            noise_of = run.noise_sources(cfg, seeds, generation, start)[0]
-        else:
-            noise_of = lambda segment: None  # noqa: E731
-        fitness, states = run.population_fitness(
-            cfg, params, noise_of, states, tokens, sigma_shifts
+        every = run.every_replica(of_one, shared=(3, 4, 5))
+        return every(
+            params, rule_state, states, tokens, start, generation, thresholds, seeds, sigma_shifts
         )
-        return params, rule_state, states, jnp.sum(fitness, axis=0), jnp.zeros((), jnp.int32)
 
     return run.on_population(local, mesh, cfg)
 
@@ -452,21 +455,21 @@ def compile_target(args: Args, part: str, options: dict | None = None) -> Target
 
 def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
     """(training, inference) bytes a token costs each member at the least (docs/design.org's
-    roofline): the weights once per device's members, every product's int8 input and output, the
-    state and the residual stream (22 n a layer, 2 n + 2 x 256 around them, n the width); in
-    training also half its pair's rank-r factors (A and B of every matrix; of the embedding's A,
-    the row of the byte read) and its own perturbed vectors."""
-    n, members = cfg.n_embd, cfg.population // cfg.devices
+    roofline): the weights once per device's members, the activations the model reads and writes
+    (its entry's traffic: EGG's every product's int8 input and output, the state and the residual
+    stream); in training also half its pair's rank-r factors (A and B of every matrix; of the
+    embedding's A, the row of the byte read) and its own perturbed vectors."""
+    members = cfg.population // cfg.devices
     weights = run.num_parameters(cfg) / members
-    activations = 22 * n * cfg.n_layer + 2 * n + 2 * run.VOCAB
+    activations = run.MODELS[cfg.model].traffic(cfg)
     factors = vectors = 0
-    for name in run.PARAM_NAMES:
-        layers, shape = cfg.n_layer if name in run.BLOCK else 1, run.param_shape(name, cfg)
-        if name in run.MATRICES:
-            rows = 1 if name == "emb" else shape[0]
-            factors += layers * cfg.rank * (rows + shape[1])
+    for name, p in run.parameters_of(cfg).items():
+        layers = cfg.n_layer if p.layered else 1
+        if p.matrix:
+            rows = 1 if name == "emb" else p.shape[0]
+            factors += layers * cfg.rank * (rows + p.shape[1])
         else:
-            vectors += layers * math.prod(shape)
+            vectors += layers * math.prod(p.shape)
     return weights + activations + factors / 2 + vectors, weights + activations
 
 

@@ -586,31 +586,38 @@ def kernel_operands(params: dict, noise: dict | None, groups, layered: set[str])
     return operands
 
 
-def embed(w: Perturbed, name: str, tok_RxDxS):
+def embed(w: Perturbed, name: str, tok):
     """Row `tok` of the embedding matrix `name` (+ sigma E[tok]) of every member, int8 at
-    WEIGHT_FRAC: (R, D, S, E)."""
-    rows = w.params[name][tok_RxDxS]
+    WEIGHT_FRAC: tok_...xRxDxS (leading axes: a window's bytes) -> (..., R, D, S, E)."""
+    rows = w.params[name][tok]
     nz, sides = None if w.noise is None else w.noise[name], w.sides
     if nz is None:
         return rows
-    lookup = tok_RxDxS[..., None, None]  # each member's byte in its pair's noise: (R, D, S, 1, 1)
+    lookup = tok[..., None, None]  # each member's byte in its pair's noise: (..., R, D, S, 1, 1)
+    pairs = (None,) * (tok.ndim - 2) + (slice(None), None)  # a pair's noise against the members
     if not isinstance(nz, tuple):  # --rank 0: a full (256, E) noise matrix
-        row = jnp.take_along_axis(nz[None, :, None], lookup, axis=3)[..., 0, :]
+        row = jnp.take_along_axis(nz[pairs], lookup, axis=-2)[..., 0, :]
         noise = round_shift(row, NOISE_FRAC + sides.shift - WEIGHT_FRAC)
         return clip_int8(rows.astype(i32) + sides.sign[..., None] * noise)
     a, b = nz  # a (D, 256, r), b (D, E, r)
-    a_tok = jnp.take_along_axis(a[None, :, None], lookup, axis=3)  # (R, D, S, 1, r)
-    pert = jnp.sum(b[None, :, None].astype(i32) * a_tok, axis=-1)  # at 2 * NOISE_FRAC
+    a_tok = jnp.take_along_axis(a[pairs], lookup, axis=-2)  # (..., R, D, S, 1, r)
+    pert = jnp.sum(b[pairs].astype(i32) * a_tok, axis=-1)  # at 2 * NOISE_FRAC
     shift = sides.shift + (2 * NOISE_FRAC - WEIGHT_FRAC)
     return clip_int8(rows.astype(i32) + ((sides.sign[..., None] * pert) >> shift))
 
 
 def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = "", residual=None):
     """x times each named matrix (with its noise) as matmul computes it, the one place that chooses
-    who computes it: x_RxDxSxn; first layer_norm(x, gain) with a gain name, then
-    join(product, residual) with a residual. `layer` () int32 for layered parameters, None for
-    others. Returns one (R, D, S, m) per name: by egg/kernel.py where the Perturbed has operands of
-    this group of matrices and the kernel takes the shapes, else by XLA."""
+    who computes it: x_RxDxSxn, or x_...xRxDxSxn (a window's bytes: more repeats of each pair);
+    first layer_norm(x, gain) with a gain name, then join(product, residual) with a residual.
+    `layer` () int32 for layered parameters, None for others. Returns one (..., R, D, S, m) per
+    name: by egg/kernel.py where the Perturbed has operands of this group of matrices and the
+    kernel takes the shapes, else by XLA."""
+    if x.ndim > 4:  # the leading axes as repeats
+        rows = (-1,) + x.shape[-3:]
+        joined = None if residual is None else residual.reshape(rows[:-1] + (-1,))
+        outs = products(w, x.reshape(rows), names, layer, gain, joined)
+        return [o.reshape(x.shape[:-1] + o.shape[-1:]) for o in outs]
     repeats, distinct, sides, n = x.shape
     pairs, m = repeats * distinct, w.params[names[0]].shape[-2]
     operands = w.kernel.get(names) if w.kernel else None
@@ -747,9 +754,9 @@ def egg_end(carried, cfg: Config):
     return jnp.moveaxis(jnp.stack(carried), 0, -2)
 
 
-def egg_block(x, h, layer, w: Perturbed, cfg: Config):
-    """One block of every member: the new residual stream, this layer's new state and the block's
-    int8 activations by name. x: the residual stream x_RxDxSxE, int8 at WEIGHT_FRAC; h: this
+def egg_gru(x, h, layer, w: Perturbed, cfg: Config):
+    """A block's GRU, of every member: the new residual stream, this layer's new state and the
+    GRU's int8 activations by name. x: the residual stream x_RxDxSxE, int8 at WEIGHT_FRAC; h: this
     layer's hidden state (R, D, S, E), using the full range (real = q / 127); layer () int32."""
     wf, wh = products(w, x, ("Wf", "Wh"), layer, gain="ln1")
     (uf,) = products(w, h, ("Uf",), layer)
@@ -760,22 +767,26 @@ def egg_block(x, h, layer, w: Perturbed, cfg: Config):
     (uh,) = products(w, gated, ("Uh",), layer)
     c = clipped_add(wh, uh, w.params["bh"][layer]).astype(i32)
     h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
-    x = join(h, x, cfg.residual_shift)
-    (hidden,) = products(w, x, ("W1",), layer, gain="ln2")  # (..., 4E), no nonlinearity
-    (x,) = products(w, hidden, ("W2",), layer, residual=x)
     gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
-    seen = {"gate": gate, "candidate": candidate, "state": h, "mlp_hidden": hidden, "residual": x}
-    return x, h, seen
+    return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
 
 
-def egg_step(w: Perturbed, states, byte_RxDxS, cfg: Config):
+def egg_block(x, h, layer, w: Perturbed, cfg: Config):
+    """One block of every member: its GRU, then an MLP (n -> 4n -> n, no nonlinearity, as
+    upstream's) joining the residual stream; the new stream, state and activations."""
+    x, h, seen = egg_gru(x, h, layer, w, cfg)
+    (hidden,) = products(w, x, ("W1",), layer, gain="ln2")
+    (x,) = products(w, hidden, ("W2",), layer, residual=x)
+    return x, h, {**seen, "mlp_hidden": hidden, "residual": x}
+
+
+def egg_step(w: Perturbed, states, byte_RxDxS, cfg: Config, block=egg_block):
     """One byte through every member: its logits, the new states, the activations. The states
     restart from zero at byte 0, the separator before every document."""
     restart = (byte_RxDxS == 0)[..., None]
     states = jax.tree.map(lambda h: jnp.where(restart, jnp.zeros_like(h), h), states)
     embedding = embed(w, "emb", byte_RxDxS)
-    block = partial(egg_block, w=w, cfg=cfg)
-    x, states, seen = each_layer(block, embedding, states, cfg)
+    x, states, seen = each_layer(partial(block, w=w, cfg=cfg), embedding, states, cfg)
     (logits,) = products(w, x, ("head",), gain="ln_out")
     return logits, states, {"embedding": embedding, **seen, "logits": logits}
 
@@ -1412,20 +1423,26 @@ def apply_rule(params, rule_state, z: dict, weights, thresholds, cfg: Config):
 def pair_mean(states):
     """--shared_pair_state: both members of each antithetic pair (members 2k, 2k + 1) get the mean
     of their two states, rounded half away from zero (int8: |mean| <= 127). states (M, ...)."""
-    pairs = states.astype(i32).reshape((-1, 2) + states.shape[1:])
+    pairs = states.astype(i32).reshape((states.shape[0] // 2, 2) + states.shape[1:])
     mean = round_shift(pairs[:, 0] + pairs[:, 1], 1).astype(jnp.int8)
     return jnp.repeat(mean, 2, axis=0)
 
 
-# Every flag: the run's own (RunFlags) and each entry's, gathered (egg/flags.py). An entry's own
-# flags act under it alone, alpha's under the rules that read a threshold: a resume compares a
-# setting only where it acts in both runs.
-Args = gathered("Args", RunFlags, model=MODELS, shaping=SHAPINGS, optimizer=RULES)
-ALPHA_FLAGS = ("alpha", "alpha_decay_timestep", "alpha_floor")
-THRESHOLDED = tuple(name for name, rule in RULES.items() if rule.alpha)  # the rules that read one
-CONDITIONS = conditions(model=MODELS, shaping=SHAPINGS, optimizer=RULES) | {
-    name: ("optimizer", THRESHOLDED) for name in ALPHA_FLAGS
-}
+ALPHA_FLAGS = ("alpha", "alpha_decay_timestep", "alpha_floor")  # act under rules that read alpha
+
+
+def every_flag() -> tuple[type, dict]:
+    """(Args, CONDITIONS) of the tables as they stand: every flag, the run's own (RunFlags) and each
+    entry's, gathered (egg/flags.py); and {flag: (the flag that picks an entry, the entries under
+    which it acts)}: an entry's own flags act under it alone, alpha's under the rules that read a
+    threshold (a resume compares a setting only where it acts in both runs)."""
+    tables = dict(model=MODELS, shaping=SHAPINGS, optimizer=RULES)
+    thresholded = tuple(name for name, rule in RULES.items() if rule.alpha)
+    alpha = {name: ("optimizer", thresholded) for name in ALPHA_FLAGS}
+    return gathered("Args", RunFlags, **tables), conditions(**tables) | alpha
+
+
+Args, CONDITIONS = every_flag()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1573,7 +1590,7 @@ def check_bounds(cfg: Config) -> None:
 def check_args(args: Args) -> None:
     """Refuse a bad configuration in one line naming the flag, before anything is compiled: every
     flag's range and choices and every replica's settings (egg/command.py), then the bounds."""
-    command.check_flags(args, replicas_of(args))
+    command.check_flags(args, replicas_of)
     check_bounds(make_config(args))
 
 
@@ -1629,6 +1646,26 @@ def device_members(cfg: Config, batch):
     return start, batch[(start + jnp.arange(members)) // cfg.group_size]
 
 
+def segment_noise_sources(cfg: Config, seed, generation, start):
+    """noise_sources' fast path for a GPU's memory: each segment's noise built where it is used,
+    twice (for the fitness, then for Z, summed segment by segment): the same noise and Z."""
+    distinct = min(cfg.distinct_pairs, cfg.population // cfg.devices // 2)  # this device's
+    offset = (start // 2) % cfg.distinct_pairs
+
+    def noise_of(segment, first=offset, count=distinct):
+        return segment_noise(cfg, seed, generation, segment, first, count)
+
+    def z_of(weights):
+        def add(z, segment):
+            found = z_statistics(noise_of(segment, 0, cfg.distinct_pairs), weights[segment], cfg)
+            return jax.tree.map(jnp.add, z, found), None
+
+        zero = {k: jnp.zeros(full_shape(p, cfg), i32) for k, p in parameters_of(cfg).items()}
+        return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
+
+    return noise_of, z_of
+
+
 def noise_sources(cfg: Config, seed, generation, start):
     """(noise_of, z_of) of one replica on the device whose first member is `start`: noise_of(
     segment) the noise of this device's pairs in a segment (its distinct pairs, ...); z_of(weights
@@ -1647,26 +1684,6 @@ def noise_sources(cfg: Config, seed, generation, start):
 
     def z_of(weights):
         return z_statistics(noise, weights.reshape(-1), cfg)
-
-    return noise_of, z_of
-
-
-def segment_noise_sources(cfg: Config, seed, generation, start):
-    """noise_sources' fast path for a GPU's memory: each segment's noise built where it is used,
-    twice (for the fitness, then for Z, summed segment by segment): the same noise and Z."""
-    distinct = min(cfg.distinct_pairs, cfg.population // cfg.devices // 2)  # this device's
-    offset = (start // 2) % cfg.distinct_pairs
-
-    def noise_of(segment, first=offset, count=distinct):
-        return segment_noise(cfg, seed, generation, segment, first, count)
-
-    def z_of(weights):
-        def add(z, segment):
-            found = z_statistics(noise_of(segment, 0, cfg.distinct_pairs), weights[segment], cfg)
-            return jax.tree.map(jnp.add, z, found), None
-
-        zero = {k: jnp.zeros(full_shape(p, cfg), i32) for k, p in parameters_of(cfg).items()}
-        return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
 
     return noise_of, z_of
 

@@ -77,11 +77,11 @@ def parse_args(cls: type, argv: list[str]):
     return given
 
 
-def check_flags(given, replicas: list[pbt.Replica]) -> None:
+def check_flags(given, replicas_of: Callable[..., list[pbt.Replica]]) -> None:
     """Refuse a bad configuration in one line naming the flag: a value outside its range or
     choices, a population that is not whole pairs and groups of members, a width that is not a
     multiple of 4, a process outside the run; per-replica lists of another length, and each
-    replica's settings (`replicas`, egg/pbt.py) outside their flags' ranges."""
+    replica's settings (replicas_of(given), egg/pbt.py) outside their flags' ranges."""
     check_ranges(given)
     settings = flat(given)
     members, group = settings["parallel_generations_per_gpu"], settings["group_size"]
@@ -110,6 +110,7 @@ def check_flags(given, replicas: list[pbt.Replica]) -> None:
         if refused:
             raise UserError(text)
     pbt.check(group_of(given, pbt.Flags))
+    replicas = replicas_of(given)
     for k, replica in enumerate(replicas):
         which = f" (replica {k})" if len(replicas) > 1 else ""
         for name in pbt.EXPLORED:

@@ -8,11 +8,12 @@ The kernel only tiles the work: what a product computes is its caller's (run.py)
 Arithmetic of integer functions, so that the kernel and XLA's products compute the very same
 integers (the tests compare them bit for bit, the kernel in Pallas's interpreter on the CPU).
 
-Its operands are views of the caller's arrays, never copies: the members as rows of pairs
-(K, Q, S n), side s of pair q in the columns [s n, (s + 1) n); block parameters whole (L, ...),
-the layer read inside the kernel (a slice taken outside would be a copy); matrices that read the
-same input stacked on a leading axis G. Axes: K replicas, Q pairs (repeats x distinct),
-D distinct pairs, S sides, L layers, G stacked matrices, m outputs, n inputs.
+A call computes one replica's products (the caller maps it over its replicas: Pallas adds them to
+the grid). Its operands are views of the caller's arrays, never copies: the members as rows of
+pairs (Q, S n), side s of pair q in the columns [s n, (s + 1) n); layered parameters whole (L,
+...), the layer read inside the kernel (a slice taken outside would be a copy); matrices that read
+the same input stacked on a leading axis G. Axes: Q pairs (repeats x distinct), D distinct pairs,
+S sides, L layers, G stacked matrices, m outputs, n inputs; K replicas, where they are counted.
 """
 
 from __future__ import annotations
@@ -90,14 +91,14 @@ def tile_options(distinct: int, m: int) -> list[tuple[int, int]]:
     ]
 
 
-def grid(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
-    """A product's grid: (replica, matrix, tile of pairs, tile of outputs, side)."""
-    return replicas, groups, pairs // rows, m // columns, sides
+def grid(groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
+    """One replica's product's grid: (matrix, tile of pairs, tile of outputs, side)."""
+    return groups, pairs // rows, m // columns, sides
 
 
 def programs(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: int, columns: int):
-    """The programs (CTAs) a product's grid launches."""
-    return math.prod(grid(replicas, groups, pairs, m, sides, rows, columns))
+    """The programs (CTAs) a product's grid launches for `replicas` replicas."""
+    return replicas * math.prod(grid(groups, pairs, m, sides, rows, columns))
 
 
 def int8_product(
@@ -121,7 +122,7 @@ def int8_product(
     gain_ref = extra.pop(0) if gained else None
     residual_ref = extra.pop(0) if added else None
     at = layer_ref[0]
-    sign = 1 - 2 * pl.program_id(4)
+    sign = 1 - 2 * pl.program_id(3)
 
     def columns_of(k):
         return pl.ds(k * depth, depth)
@@ -129,75 +130,72 @@ def int8_product(
     if gained:  # the layer norm's per-row multiplier, from sum |x| over the whole row
 
         def absolute(k, total):
-            return total + jnp.sum(jnp.abs(x_ref[0, :, columns_of(k)].astype(i32)), 1)
+            return total + jnp.sum(jnp.abs(x_ref[:, columns_of(k)].astype(i32)), 1)
 
         total = jax.lax.fori_loop(0, n // depth, absolute, jnp.zeros((rows,), i32))
         scale = arithmetic.norm_scale(total, n)[:, None]
 
     def inputs(k):  # the k-th (rows, depth) chunk of x, layer-normed where there is a gain
-        chunk = x_ref[0, :, columns_of(k)]
+        chunk = x_ref[:, columns_of(k)]
         if not gained:
             return chunk
-        return arithmetic.normalise(chunk, gain_ref[at, 0, :, columns_of(k)], scale)
+        return arithmetic.normalise(chunk, gain_ref[at, :, columns_of(k)], scale)
 
     def accumulate(k, carry):
         acc, xb = carry
         chunk = inputs(k)
-        weights = w_ref[0, at, 0, :, columns_of(k)]
+        weights = w_ref[0, at, :, columns_of(k)]
         contract = (((1,), (1,)), ((), ()))
         acc = acc + jax.lax.dot_general(chunk, weights, contract, preferred_element_type=i32)
         if noisy:
-            factors = b_ref[0, at, 0, :, columns_of(k)].astype(i32)
+            factors = b_ref[0, at, :, columns_of(k)].astype(i32)
             xb = xb + jnp.sum(chunk.astype(i32) * factors, 1)
         return acc, xb
 
     zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
     acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
     if noisy:  # this side's rank-1 term
-        acc = acc + arithmetic.noise_term(
-            xb[:, None], a_ref[0, at, 0][..., None], sign, shift_ref[0]
-        )
+        acc = acc + arithmetic.noise_term(xb[:, None], a_ref[0, at][..., None], sign, shift_ref[0])
     out = arithmetic.rescale(acc, n)
-    out_ref[0, 0] = out if not added else arithmetic.add(out, residual_ref[0])
+    out_ref[0] = out if not added else arithmetic.add(out, residual_ref[...])
 
 
-def specs(x, w, a, b, shifts, layer, gain, residual, tile: tuple[int, int, int]):
-    """product()'s operands and the block of each that a program of its grid (replica k, matrix g,
-    pair tile i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n
-    inputs."""
+def specs(x, w, a, b, shift, layer, gain, residual, tile: tuple[int, int, int]):
+    """product()'s operands and the block of each that a program of its grid (matrix g, pair tile
+    i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n inputs."""
     from jax.experimental import pallas as pl
 
     rows, columns, n = tile
     layers = w.shape[1]
-    pair_tiles = (a.shape[3] if a is not None else x.shape[1]) // rows
-    column_tiles = w.shape[3] // columns
+    pair_tiles = (a.shape[2] if a is not None else x.shape[0]) // rows
+    column_tiles = w.shape[2] // columns
 
     def pair(i):
         return i % pair_tiles
 
     spec = pl.BlockSpec
     in_specs = [
-        spec((1,), lambda k, g, i, j, s: (0,)),
-        spec((1, rows, n), lambda k, g, i, j, s: (k, i, s)),
-        spec((1, layers, 1, columns, n), lambda k, g, i, j, s: (g, 0, k, j, 0)),
+        spec((1,), lambda g, i, j, s: (0,)),
+        spec((rows, n), lambda g, i, j, s: (i, s)),
+        spec((1, layers, columns, n), lambda g, i, j, s: (g, 0, j, 0)),
     ]
     operands = [jnp.reshape(layer, (1,)).astype(i32), x, w]
     if a is not None:
         in_specs += [
-            spec((1, layers, 1, rows, columns), lambda k, g, i, j, s: (g, 0, k, pair(i), j)),
-            spec((1, layers, 1, rows, n), lambda k, g, i, j, s: (g, 0, k, pair(i), 0)),
-            spec((1,), lambda k, g, i, j, s: (k,)),
+            spec((1, layers, rows, columns), lambda g, i, j, s: (g, 0, pair(i), j)),
+            spec((1, layers, rows, n), lambda g, i, j, s: (g, 0, pair(i), 0)),
+            spec((1,), lambda g, i, j, s: (0,)),
         ]
-        operands += [a, b, shifts]
-    if gain is not None and gain.shape[2] == 1:  # noise-free: one gain for every row
-        in_specs.append(spec((layers, 1, 1, n), lambda k, g, i, j, s: (0, k, 0, 0)))
+        operands += [a, b, jnp.reshape(shift, (1,)).astype(i32)]
+    if gain is not None and gain.shape[1] == 1:  # noise-free: one gain for every row
+        in_specs.append(spec((layers, 1, n), lambda g, i, j, s: (0, 0, 0)))
         operands.append(gain)
     elif gain is not None:
-        in_specs.append(spec((layers, 1, rows, n), lambda k, g, i, j, s: (0, k, pair(i), s)))
+        in_specs.append(spec((layers, rows, n), lambda g, i, j, s: (0, pair(i), s)))
         operands.append(gain)
     if residual is not None:
-        place = lambda k, g, i, j, s: (k, i, s * column_tiles + j)  # noqa: E731
-        in_specs.append(spec((1, rows, columns), place))
+        place = lambda g, i, j, s: (i, s * column_tiles + j)  # noqa: E731
+        in_specs.append(spec((rows, columns), place))
         operands.append(residual)
     return in_specs, operands
 
@@ -222,33 +220,34 @@ def product(
     w,
     a,
     b,
-    shifts,
+    shift,
     layer,
     gain,
     residual,
     *,
     interpret: bool,
     arithmetic,
+    replicas: int = 1,
     tile=None,
     warps=WARPS,
 ):
-    """Every member's int8 product with G matrices: out[g] = rescale(x' W_g^T + noise term), x' the
-    layer norm of x (with a gain) or x, plus the residual (with one), each as `arithmetic` says.
+    """One replica's members' int8 products with G matrices: out[g] = rescale(x' W_g^T + noise
+    term), x' the layer norm of x (with a gain) or x, plus the residual (with one), each as
+    `arithmetic` says.
 
-    x (K, Q, S n) int8; w (G, L, K, m, n);
-    a (G, L, K, D, m) and b (G, L, K, D, n): the pairs' rank-1 factors (None: noise-free); shifts
-    (K,) int32, each replica's sigma_shift; layer () int32; gain (L, K, D, S n), (L, K, 1, n)
-    (every row's) or None; residual (K, Q, S m) or None. Returns (G, K, Q, S m). A program
+    x (Q, S n) int8; w (G, L, m, n); a (G, L, D, m) and b (G, L, D, n): the pairs' rank-1 factors
+    (None: noise-free); shift () int32, the replica's sigma_shift; layer () int32; gain (L, D, S n),
+    (L, 1, n) (every row's) or None; residual (Q, S m) or None. Returns (G, Q, S m). A program
     (int8_product) computes a tile of pairs and outputs of one side of one matrix: `tile`'s (rows,
-    columns, depth), or the rule's (tiles) where None, in `warps` warps; the same integers any
-    way (scripts/gpu_check.py times them)."""
+    columns, depth), or the rule's (tiles, for `replicas` replicas mapped over the call) where None,
+    in `warps` warps; the same integers any way (scripts/gpu_check.py times them)."""
     from jax.experimental import pallas as pl
 
-    replicas, pairs, _ = x.shape
-    groups, _, _, m, n = w.shape
-    sides = x.shape[2] // n
+    pairs = x.shape[0]
+    groups, _, m, n = w.shape
+    sides = x.shape[1] // n
     noisy = a is not None
-    distinct = a.shape[3] if noisy else pairs
+    distinct = a.shape[2] if noisy else pairs
     rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides)
     column_tiles = m // columns
     kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
@@ -258,20 +257,20 @@ def product(
         tile=(rows, columns, depth, n),
         arithmetic=arithmetic,
     )
-    in_specs, operands = specs(x, w, a, b, shifts, layer, gain, residual, (rows, columns, n))
-    out = jax.ShapeDtypeStruct((groups, replicas, pairs, sides * m), jnp.int8)
+    in_specs, operands = specs(x, w, a, b, shift, layer, gain, residual, (rows, columns, n))
+    out = jax.ShapeDtypeStruct((groups, pairs, sides * m), jnp.int8)
     compiler = None
     if not interpret:
         from jax.experimental.pallas import triton as pallas_triton
 
         compiler = pallas_triton.CompilerParams(num_warps=warps, num_stages=2)
-    place = lambda k, g, i, j, s: (g, k, i, s * column_tiles + j)  # noqa: E731
+    place = lambda g, i, j, s: (g, i, s * column_tiles + j)  # noqa: E731
     return pl.pallas_call(
         program,
         out_shape=out,
-        grid=grid(replicas, groups, pairs, m, sides, rows, columns),
+        grid=grid(groups, pairs, m, sides, rows, columns),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((1, 1, rows, columns), place),
+        out_specs=pl.BlockSpec((1, rows, columns), place),
         interpret=interpret,
         compiler_params=compiler,
         cost_estimate=cost(x, w, a, b, gain, residual, out),
@@ -287,6 +286,6 @@ def fault(device, arithmetic: Arithmetic) -> str:
         options = dict(interpret=False, arithmetic=arithmetic)
         return product(x, w, None, None, None, 0, None, None, **options)
 
-    shapes = (((1, 16, 16), jnp.int8), ((1, 1, 1, 16, 16), jnp.int8))
+    shapes = (((16, 16), jnp.int8), ((1, 1, 16, 16), jnp.int8))
     found = compile_fault(one_tile, device, *shapes)
     return found and f"the GPU product kernel cannot run under JAX {jax.__version__} ({found})"

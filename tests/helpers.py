@@ -80,10 +80,29 @@ TINY = (
 ).split()
 
 
+def add_entries(monkeypatch, **entries):
+    """Each entry added to its table (models=, shapings=, rules= {name: entry}), then what importing
+    run.py derives from the tables: Args and CONDITIONS (run.every_flag)."""
+    for table, added in entries.items():
+        for name, entry in added.items():
+            monkeypatch.setitem(getattr(run, table.upper()), name, entry)
+    every, conditions = run.every_flag()
+    monkeypatch.setattr(run, "Args", every)
+    monkeypatch.setattr(run, "CONDITIONS", conditions)
+
+
 def tiny_args(*given, **changes) -> run.Args:
     """The tiny run's Args (TINY), with more flags and changed fields, for the tests that call
     run.py's functions directly."""
     return flags.replace(run.parse_args([*TINY, *given]), **changes)
+
+
+def chosen(cfg, name: str):
+    """A setting as make_config chose it: the Config's own, else its entries' own flags'."""
+    for own in (cfg.rule_flags, cfg.shaping_flags, cfg.model_flags):
+        if own is not None and hasattr(own, name):
+            return getattr(own, name)
+    return getattr(cfg, name)
 
 
 def thresholds(args: run.Args, cfg, generation: int = 0) -> np.ndarray:
@@ -108,20 +127,10 @@ def upstream_args(**changes) -> run.Args:
 
 
 def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: int, cfg):
-    """run.forward of a single model (no replica axis in or out), compiled as the generation step
-    is: (fitness (M,), states)."""
-    add = partial(jax.tree.map, lambda x: np.asarray(x)[None])
+    """run.forward of one model, compiled as the generation step is: (fitness (M,), states)."""
     forward = jax.jit(run.forward, static_argnums=6, compiler_options=run.compiler_options(cfg))
-    fitness, states = forward(
-        add(params),
-        add(noise),
-        add(states),
-        inputs,
-        targets,
-        np.array([sigma_shift], np.int32),
-        cfg,
-    )
-    return np.asarray(fitness)[0], np.asarray(states)[0]
+    fitness, states = forward(params, noise, states, inputs, targets, np.int32(sigma_shift), cfg)
+    return np.asarray(fitness), np.asarray(states)
 
 
 def es_update(params, rule_state, noise, scores, thresholds, cfg):
@@ -160,44 +169,42 @@ def checkpoint_digest(folder: Path) -> str:
     return checkpoints.checkpoint_digest(folder)
 
 
-# One member on its own: run.py's model functions take the members' axes (K, S, R, D); these give
-# them one member (all four of size 1) on the given side, and take its result back out.
+# One member on its own: run.py's model functions take the members' axes (R, D, S); these give
+# them one member (all three of size 1) on the given side, and take its result back out.
 
 
 def member_sides(sign: int, sigma_shift: int) -> run.Sides:
-    return run.Sides(
-        jnp.full((1, 1, 1, 1), sign, jnp.int32), jnp.full((1, 1, 1, 1), sigma_shift, jnp.int32)
-    )
+    return run.Sides(jnp.full((1, 1, 1), sign, jnp.int32), jnp.int32(sigma_shift))
 
 
 def pair_axes(nz):
-    """One pair's noise (a tuple of factors, or one array) with the axes (K, D) = (1, 1) in
-    front."""
+    """One pair's noise (a tuple of factors, or one array) with the axis D = 1 in front."""
     if nz is None:
         return None
     return (
-        tuple(jnp.asarray(f)[None, None] for f in nz)
-        if isinstance(nz, tuple)
-        else jnp.asarray(nz)[None, None]
+        tuple(jnp.asarray(f)[None] for f in nz) if isinstance(nz, tuple) else jnp.asarray(nz)[None]
     )
 
 
 def member_vector(p, nz, sign: int, sigma_shift: int):
     """run.perturbed_vector of one member: p (n,) with its pair's noise (n,)."""
-    out = run.perturbed_vector(jnp.asarray(p)[None], pair_axes(nz), member_sides(sign, sigma_shift))
+    out = run.perturbed_vector(jnp.asarray(p), pair_axes(nz), member_sides(sign, sigma_shift))
     return np.asarray(out).reshape(np.shape(p))
 
 
 def member_matmul(x, w, nz, sign: int, sigma_shift: int):
     """run.matmul of one member: x (n,), w (m, n), nz its pair's (A, B), full noise, or None ->
     (m,)."""
-    x = jnp.asarray(x).reshape(1, 1, 1, 1, -1)
-    out = run.matmul(x, jnp.asarray(w)[None], pair_axes(nz), member_sides(sign, sigma_shift))
+    x = jnp.asarray(x).reshape(1, 1, 1, -1)
+    out = run.matmul(x, jnp.asarray(w), pair_axes(nz), member_sides(sign, sigma_shift))
     return np.asarray(out).reshape(-1)
 
 
 def member_embed(emb, tok: int, nz, sign: int, sigma_shift: int):
     """run.embed of one member reading byte `tok` -> (n,)."""
     tok = jnp.full((1, 1, 1), tok, jnp.uint8)
-    out = run.embed(jnp.asarray(emb)[None], tok, pair_axes(nz), member_sides(sign, sigma_shift))
-    return np.asarray(out).reshape(-1)
+    noise = None if nz is None else {"emb": pair_axes(nz)}
+    w = run.Perturbed(
+        {"emb": jnp.asarray(emb)}, noise, member_sides(sign, sigma_shift), None, None, False, 0, 1
+    )
+    return np.asarray(run.embed(w, "emb", tok)).reshape(-1)

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -260,7 +261,7 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         )
         assert "--allow_changes" in result.stderr
     assert len(list(tmp_path.iterdir())) == 1  # the refused runs wrote nothing
-    # a checkpoint of an older format, or that records no setting this run depends on, is refused
+    # a checkpoint of an older format is refused naming the commit that reads it
     meta_path = checkpoint_dir(tmp_path) / "gen-00000004" / "meta.json"
     written = meta_path.read_text()
     meta = json.loads(written)
@@ -269,15 +270,29 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
         "was written by an older egg-jax (format 2); continue it with the code of commit 5423dfc"
     )
     one_line_error(in_process(capsys, *base), older)
+    # one from before a flag its training reads is refused naming it and --allow_changes, which
+    # continues it
     meta["training"].pop("max_step")
     meta_path.write_text(json.dumps(meta))
-    one_line_error(
-        in_process(capsys, *base), "(format 3, which records no --max_step); continue it"
-    )
+    predates = "gen-00000004 predates --max_step, which its training would read: give --allow_"
+    result = in_process(capsys, *base)
+    one_line_error(result, predates)
+    assert "changes to continue it with --max_step (not recorded) -> 1" in result.stderr
+    # one from before a flag its training does not read (a momentum run's, from before the Z-test's
+    # flag) resumes
+    meta = json.loads(written)
+    meta["training"].pop("null_from_scores")
+    copy = tmp_path.with_name(f"{tmp_path.name}-copy") / "gen-00000004"
+    shutil.copytree(meta_path.parent, copy)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    elsewhere = ["--runs_dir", str(copy.parent.parent), "--run_name", "copy", "--save_every", "0"]
+    result = in_process(capsys, "--resume", str(copy), "--num_epochs", "5", *elsewhere)
+    assert result.returncode == 0 and "changed: nothing" in result.stdout, result.stderr[-2000:]
     meta_path.write_text(json.dumps({**meta, "format": 4}))
     one_line_error(in_process(capsys, *base), "is of format 4, newer than this egg-jax's")
     meta_path.write_text(written)
-    # a setting that came later (run.SINCE) reads as the value every checkpoint without it had
+    # a setting that came later (its facts' `before`) reads as the value every checkpoint without
+    # it had
     meta = json.loads(written)
     meta["training"].pop("residual_shift")
     meta_path.write_text(json.dumps(meta))
@@ -357,7 +372,7 @@ def test_resume_with_another_population_restarts_the_states_at_zero(tmp_path, ca
         step, (params, run.init_state(cfg), states), batch, 4, thresholds(args, cfg, 4), 0, 3
     )
     with np.load(folder / "gen-00000005" / "params.npz") as f:
-        for name in run.PARAM_NAMES:
+        for name in run.parameters_of(cfg):
             np.testing.assert_array_equal(f[name], params[name], err_msg=name)
     with np.load(folder / "gen-00000005" / "states.npz") as f:
         np.testing.assert_array_equal(f["states"], states)
@@ -413,13 +428,13 @@ def test_checkpoint_files_are_plain_numpy_and_json(tmp_path):
     cfg, params, opt, states = tiny_model()
     checkpoints.save_checkpoint(tmp_path / "c", params, opt, states, {"generation": 5})
     with np.load(tmp_path / "c" / "params.npz") as f:  # no run.py needed to read it
-        assert sorted(f.files) == sorted(run.PARAM_NAMES) and f["Wf"].dtype == np.int8
+        assert sorted(f.files) == sorted(run.parameters_of(cfg)) and f["Wf"].dtype == np.int8
         np.testing.assert_array_equal(f["emb"], params["emb"])
     assert json.loads((tmp_path / "c" / "meta.json").read_text()) == {"generation": 5}
     loaded, loaded_states, loaded_opt, _ = load(tmp_path / "c", cfg)
     with np.load(tmp_path / "c" / "optimizer.npz") as f:
         assert (
-            sorted(f.files) == sorted(f"m/{k}" for k in run.PARAM_NAMES)
+            sorted(f.files) == sorted(f"m/{k}" for k in run.parameters_of(cfg))
             and f["m/Wf"].dtype == np.int16
         )
     # a single model's file comes back with the run's replica axis of 1
@@ -549,7 +564,9 @@ def test_checkpoint_bad_input(tmp_path, capsys):
     one_line_error(in_process(capsys, *base, "--num_epochs", "6"), "--resume auto")
     # another model shape
     result = in_process(capsys, *base, "--n_embd", "16", "--resume", str(folder))
-    one_line_error(result, "8D-2L model; this run is 16D-2L")
+    one_line_error(
+        result, "holds a egg 8D-2L model; this run is egg 16D-2L: pass the same --model,"
+    )
     # a corrupt checkpoint: named explicitly it is an error; with auto an older one is used
     latest = folder / (folder / "LATEST").read_text()
     (latest / "params.npz").write_bytes(b"not a zip file")

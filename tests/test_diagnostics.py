@@ -65,9 +65,10 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
     noise = run.generation_noise(cfg, 0, 0)
     new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)
-    tensors = {k: (2 if k in run.BLOCK else 1, np.asarray(params[k]).size) for k in run.PARAM_NAMES}
+    model = run.parameters_of(cfg)
+    tensors = {k: (2 if p.layered else 1, np.asarray(params[k]).size) for k, p in model.items()}
     shares = moved_shares(np.asarray(moved), tensors)
-    want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in run.PARAM_NAMES}
+    want = {name: float(np.mean(np.asarray(new[name]) != params[name])) for name in model}
     assert (
         shares == pytest.approx(want)
         and min(want.values()) < max(want.values())
@@ -79,7 +80,7 @@ def test_parameter_shares_and_table_colours():
     cfg, params, rows = setup()
     seen = jax.tree.map(np.asarray, run.activations(params, rows, cfg))
     params["Wf"].flat[:16] = 127  # 16 of 2 * 64 entries at the saturated value
-    shares = {name: 0.0 for name in run.PARAM_NAMES} | {"Wf": 16 / 128}
+    shares = {name: 0.0 for name in run.parameters_of(cfg)} | {"Wf": 16 / 128}
     values = health(seen, params, shares, run.INT8_MAX)
     assert values["diag/param_Wf/moved"] == pytest.approx(16 / 128)
     assert values["diag/param_Wf/saturated"] == pytest.approx(np.mean(np.abs(params["Wf"]) == 127))
@@ -88,4 +89,4 @@ def test_parameter_shares_and_table_colours():
     assert values["diag/state1/entropy"] == pytest.approx(state1)
     text = table(values)
     assert "\033[31mparam_Wf" in text and "\033[32mparam_head" in text  # 12.5% saturated: red
-    assert len(text.splitlines()) == 1 + 2 + 5 * 2 + len(run.PARAM_NAMES)
+    assert len(text.splitlines()) == 1 + 2 + 5 * 2 + len(run.parameters_of(cfg))

@@ -10,7 +10,7 @@ import yaml
 from helpers import ROOT
 
 import run
-from egg import flags
+from egg import command, flags
 
 
 def test_upstream_flag_names_parse():
@@ -260,8 +260,11 @@ def test_boolean_with_a_bad_value_is_refused():
 
 
 def test_a_choice_outside_its_table_is_refused_naming_the_entries():
-    """--shaping and --optimizer take an entry of SHAPINGS and RULES, listed in --help and in the
-    refusal; a variant tried and not adopted is refused naming the last commit that has it."""
+    """--model, --shaping and --optimizer take an entry of MODELS, SHAPINGS and RULES, listed in
+    --help and in the refusal; a variant tried and not adopted is refused naming the last commit
+    that has it."""
+    with pytest.raises(run.UserError, match="--model must be one of egg, got transformer"):
+        run.check_args(run.parse_args(["--model", "transformer"]))
     with pytest.raises(run.UserError, match="--shaping must be one of sign, normalised, got rank"):
         run.check_args(run.parse_args(["--shaping", "rank"]))
     with pytest.raises(run.UserError, match="--optimizer must be one of ztest, momentum, got sgd"):
@@ -273,6 +276,6 @@ def test_a_choice_outside_its_table_is_refused_naming_the_entries():
         ["--scale_shift", "3"],
     ):
         with pytest.raises(
-            run.UserError, match=f"tried and not adopted .* after commit {run.RETIRED_AFTER}"
+            run.UserError, match=f"tried and not adopted .* after commit {command.RETIRED_AFTER}"
         ):
             run.parse_args(argv)

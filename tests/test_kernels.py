@@ -16,12 +16,13 @@ SIDES, REPEATS, PAIRS, N, M, LAYERS = 2, 2, 32, 32, 64, 3
 
 
 def operands(rng, groups):
+    """Two replicas' operands: each one's x (R, D, S, n), w (G, L, m, n), a, b (G, L, D, m | n)."""
     tables = run.make_tables(1)
     return (
         rng.integers(-127, 128, (2, REPEATS, PAIRS, SIDES, N)).astype(np.int8),  # x (K, R, D, S, n)
-        rng.integers(-60, 61, (groups, LAYERS, 2, M, N)).astype(np.int8),  # w (G, L, K, m, n)
-        tables.gauss[rng.integers(0, 256, (groups, LAYERS, 2, PAIRS, M))],  # a
-        tables.gauss_rank[rng.integers(0, 256, (groups, LAYERS, 2, PAIRS, N))],  # b
+        rng.integers(-60, 61, (2, groups, LAYERS, M, N)).astype(np.int8),  # w (K, G, L, m, n)
+        tables.gauss[rng.integers(0, 256, (2, groups, LAYERS, PAIRS, M))],  # a
+        tables.gauss_rank[rng.integers(0, 256, (2, groups, LAYERS, PAIRS, N))],  # b
     )
 
 
@@ -32,38 +33,45 @@ def operands(rng, groups):
 def test_the_product_kernel_computes_what_layer_norm_matmul_and_clipped_add_compute(
     gain, residual, noisy
 ):
-    """Two replicas (sigma_shift 3 and 1), two repeats of 32 pairs, two matrices of one layer of
-    three: every member's output equal to XLA's, with a layer norm before and a residual after."""
+    """Two replicas (sigma_shift 3 and 1) mapped over the kernel as the method maps them
+    (every_replica), two repeats of 32 pairs, two matrices of one layer of three: every member's
+    output equal to XLA's, with a layer norm before and a residual after."""
     rng = np.random.default_rng(3)
     x, w, a, b = operands(rng, groups=2)
     layer = 1
     shifts = np.array([3, 1], np.int32)
-    sides = run.make_sides(jnp.asarray(shifts), SIDES if noisy else 1)
     if not noisy:  # noise-free: the rows are one side's distinct pairs, one gain for all
         x = x[:, :, :, :1].reshape(2, 1, REPEATS * PAIRS, 1, N)
     gains = rng.integers(
-        -40, 41, (LAYERS, 2, 1, PAIRS, SIDES, N) if noisy else (LAYERS, 2, 1, 1, 1, N)
+        -40, 41, (2, LAYERS, 1, PAIRS, SIDES, N) if noisy else (2, LAYERS, 1, 1, 1, N)
     )
     gains = gains.astype(np.int8)
     add = rng.integers(-127, 128, x.shape[:-1] + (M,)).astype(np.int8)
-    got = kernel.product(
-        x.reshape(2, -1, x.shape[3] * N),
-        w,
-        a if noisy else None,
-        b if noisy else None,
-        jnp.asarray(shifts),
-        jnp.int32(layer),
-        gains.reshape(LAYERS, 2, gains.shape[3], -1) if gain else None,
-        add.reshape(2, -1, x.shape[3] * M) if residual else None,
-        interpret=True,
-        arithmetic=run.ARITHMETIC,
-    )
-    for g in range(2):
-        v = run.layer_norm(x, gains[layer]) if gain else x
-        nz = (a[g, layer][..., None], b[g, layer][..., None]) if noisy else None
-        want = run.matmul(v, w[g, layer], nz, sides)
-        want = run.clipped_add(want, add) if residual else want
-        np.testing.assert_array_equal(np.asarray(got[g]).reshape(want.shape), want)
+
+    def one_replica(x, w, a, b, shift, gains, add):
+        return kernel.product(
+            x.reshape(-1, x.shape[2] * N),
+            w,
+            a if noisy else None,
+            b if noisy else None,
+            shift,
+            jnp.int32(layer),
+            gains.reshape(LAYERS, gains.shape[2], -1) if gain else None,
+            add.reshape(-1, x.shape[2] * M) if residual else None,
+            interpret=True,
+            arithmetic=run.ARITHMETIC,
+            replicas=2,
+        )
+
+    got = run.every_replica(one_replica)(x, w, a, b, shifts, gains, add)
+    for k in range(2):
+        sides = run.make_sides(jnp.int32(shifts[k]), SIDES if noisy else 1)
+        for g in range(2):
+            v = run.layer_norm(x[k], gains[k, layer]) if gain else x[k]
+            nz = (a[k, g, layer][..., None], b[k, g, layer][..., None]) if noisy else None
+            want = run.matmul(v, w[k, g, layer], nz, sides)
+            want = run.clipped_add(want, add[k]) if residual else want
+            np.testing.assert_array_equal(np.asarray(got[k, g]).reshape(want.shape), want)
 
 
 def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
@@ -71,13 +79,13 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
     x, w, a, b = operands(rng, groups=1)
 
     def call(x):
-        gain = jnp.ones((LAYERS, 2, PAIRS, SIDES * N), jnp.int8)
-        shifts, options = jnp.array([2, 3], jnp.int32), dict(interpret=True)
+        gain = jnp.ones((LAYERS, PAIRS, SIDES * N), jnp.int8)
+        options = dict(interpret=True, arithmetic=run.ARITHMETIC)
         return kernel.product(
-            x, w, a, b, shifts, jnp.int32(0), gain, None, **options, arithmetic=run.ARITHMETIC
+            x, w[0], a[0], b[0], jnp.int32(2), jnp.int32(0), gain, None, **options
         )
 
-    jaxpr = jax.make_jaxpr(call)(x.reshape(2, -1, SIDES * N))
+    jaxpr = jax.make_jaxpr(call)(x[0].reshape(-1, SIDES * N))
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     body = call.params["jaxpr"]
 
@@ -99,7 +107,7 @@ def test_every_product_in_the_kernel_is_an_int8_dot_with_an_int32_sum():
 
 
 # what make_config gives a GPU, interpreted
-GPU_LIKE = dict(kernels="interpret", noise_per_segment=True)
+GPU_LIKE = dict(kernels="interpret", unrolled=True, noise_per_segment=True)
 
 
 def counting_kernel_calls(monkeypatch) -> list:

@@ -16,11 +16,11 @@ from egg import cluster, flags
 def random_params(cfg, rng):
     """Parameters over the whole int8 range: typical values, with saturated entries mixed in."""
     params = {}
-    for name in run.PARAM_NAMES:
-        shape = run.full_shape(name, cfg)
-        if name.startswith("ln"):
+    for name, p in run.parameters_of(cfg).items():
+        shape = run.full_shape(p, cfg)
+        if p.start == run.GAIN_ONE:
             values = rng.normal(16, 12, shape)
-        elif name in run.MATRICES:
+        elif p.matrix:
             values = rng.normal(0, 20, shape)
         else:
             values = rng.normal(0, 40, shape)
@@ -180,7 +180,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     scores = [int(np.sign(d)) * (1 if fast else min(16 * abs(d) // mean, 127)) for d in diff]
     assert len(set(scores)) > 1 + (not fast)  # signs (and sizes), not all alike
     moved = 0
-    for name in run.PARAM_NAMES:
+    for name, p in run.parameters_of(cfg).items():
         if isinstance(noise[name], tuple):
             a, b = (np.asarray(x).astype(np.int64) for x in noise[name])
             product = a * np.reshape(scores, (-1,) + (1,) * (a.ndim - 1))
@@ -189,7 +189,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
             z = np.einsum("k...mr,k...nr->...mn", operand, b)
         else:
             z = np.einsum("k...,k->...", np.asarray(noise[name]).astype(np.int64), np.array(scores))
-        step_ = np.sign(z) * (np.abs(z) > thresholds[0 if name in run.MATRICES else 1])
+        step_ = np.sign(z) * (np.abs(z) > thresholds[0 if p.matrix else 1])
         want = np.clip(params[name].astype(np.int64) + step_, -127, 127)
         np.testing.assert_array_equal(new[name], want, err_msg=name)
         moved += int(np.sum(want != params[name]))

@@ -127,19 +127,20 @@ def test_init_std_scales_upstreams_normal_entries_exactly():
     """--init_std s: each matrix entry is upstream's (s = 16: the quantile table's entry itself)
     times s / 16, rounded half away from zero, in exact integers; vectors are as upstream's."""
     upstream = jax.tree.map(np.asarray, run.init_params(cfg(init_std=16), 0))
+    matrices = [k for k, p in run.parameters_of(cfg()).items() if p.matrix]
     table = set(run.make_tables(1).gauss.tolist())
     for s in (0, 1, 3, 4, 32):
         params = jax.tree.map(np.asarray, run.init_params(cfg(init_std=s), 0))
         for name, q in upstream.items():
             assert params[name].dtype == np.int8, name
-            if name not in run.MATRICES:
+            if name not in matrices:
                 np.testing.assert_array_equal(params[name], q)
                 continue
             assert set(np.unique(q).tolist()) <= table, name
             wide = q.astype(np.int64)
             want = np.sign(wide) * ((np.abs(wide) * s + 8) // 16)
             np.testing.assert_array_equal(params[name], want, err_msg=f"{name}, init_std {s}")
-    entries = np.concatenate([params[k].ravel() for k in run.MATRICES]).astype(np.float64)
+    entries = np.concatenate([params[k].ravel() for k in matrices]).astype(np.float64)
     assert abs(entries.std() - 32) < 2  # s = 32: twice upstream's scale, unclipped (|q| <= 92)
 
 
@@ -195,8 +196,8 @@ def test_chunked_rank_product_is_the_exact_dot(n, rank):
 
 def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
     """The documented counter contract: byte k of pair p's stream in bucket g indexes the table of
-    noise entry k (pieces in PARAM_NAMES order, A before B), the stream being threefry's 32-bit
-    words of key (seed, 1, g, p) read as little-endian bytes."""
+    noise entry k (pieces in the model's parameters' order, A before B), the stream being threefry's
+    32-bit words of key (seed, 1, g, p) read as little-endian bytes."""
     c, seed = cfg(n_embd=8, n_layer=2, rank=2), 5
     bucket, pair = 3, 1
     root = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), 1)
@@ -214,7 +215,7 @@ def test_pair_noise_is_one_stream_of_bytes_cut_in_order():
         got = noise[name][seen.get(name, 0)] if isinstance(noise[name], tuple) else noise[name]
         np.testing.assert_array_equal(got, want)
         seen[name], offset = seen.get(name, 0) + 1, offset + size
-    assert offset == total and offset > len(run.PARAM_NAMES)
+    assert offset == total and offset > len(run.parameters_of(c))
 
 
 def numpy_lowbias32(x):

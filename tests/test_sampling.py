@@ -115,7 +115,8 @@ def test_sample_from_a_checkpoint_on_the_command_line(tmp_path, capsys):
         )
     )
     assert result.stdout.rstrip("\n") == expected
-    # that checkpoint records no --residual_shift (run.SINCE: 0); one that records 2 samples with 2
+    # that checkpoint records no --residual_shift (its facts' before: 0); one that records 2 samples
+    # with 2
     shifted = {**model_flags, "residual_shift": 2}
     states = np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
     meta = {"format": 3, "args": model_flags, "training": shifted}

@@ -100,7 +100,8 @@ def test_the_cpus_step_and_validation_copy_no_weight_transposed(overrides):
     axis made XLA:CPU copy every weight transposed at every layer and byte."""
     args, c, batch = setup(n_embd=16, **overrides)
     params, programs = step_and_evaluate(args, c, batch)
-    transposed = {tuple(params[k].shape[-1:-3:-1]) for k in run.MATRICES}  # (n, m) of each (m, n)
+    matrices = [k for k, p in run.parameters_of(c).items() if p.matrix]
+    transposed = {tuple(params[k].shape[-1:-3:-1]) for k in matrices}  # (n, m) of each (m, n)
     for name, (program, inputs) in programs.items():
         hlo = program.lower(*inputs).compile().as_text()
         shapes = re.findall(r"s8\[([0-9,]+)\]\{[0-9,]+\} transpose\(", hlo)
@@ -129,12 +130,12 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
     step = run.make_generation_step(c, cluster.population_mesh(run.POP, jax.devices()[:1]))
     p1, _, s1, f1 = run_generations(step, args, c, batch)
     p2, _, s2, f2 = run_generations(step, args, c, batch)
-    for name in run.PARAM_NAMES:
+    for name in run.parameters_of(c):
         np.testing.assert_array_equal(p1[name], p2[name])
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(f1, f2)
     start = run.init_params(c, args.seed)
-    assert sum(int(np.sum(p1[k] != start[k])) for k in run.PARAM_NAMES) > 0
+    assert sum(int(np.sum(p1[k] != start[k])) for k in run.parameters_of(c)) > 0
 
 
 def test_num_perturbations_shares_noise_between_members():

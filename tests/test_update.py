@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import alpha_schedule, es_update, z_thresholds
+from helpers import alpha_schedule, chosen, es_update, z_thresholds
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
@@ -80,7 +80,7 @@ def reference_update(params, noise, scores, thresholds, c):
     """Move by sign(Z) where |Z| > the threshold of the entry's kind, clipped to [-127, 127]."""
     new = {}
     for name, z in reference_z(params, noise, scores, c).items():
-        threshold = thresholds[0] if name in run.MATRICES else thresholds[1]
+        threshold = thresholds[0] if run.parameters_of(c)[name].matrix else thresholds[1]
         step = np.sign(z) * (np.abs(z) > threshold)
         new[name] = np.clip(np.asarray(params[name]).astype(np.int64) + step, -127, 127)
     return new
@@ -113,7 +113,7 @@ def test_update_equals_slow_numpy_reference(overrides):
     got, _, moved = es_update(params, {}, noise, jnp.asarray(scores, jnp.int32), thresholds, c)
     want = reference_update(params, noise, scores, thresholds, c)
     changed = 0
-    for name in run.PARAM_NAMES:
+    for name in run.parameters_of(c):
         np.testing.assert_array_equal(np.asarray(got[name]), want[name], err_msg=name)
         changed += int(np.sum(want[name] != np.asarray(params[name])))
     assert int(np.sum(moved)) == changed > 0 and moved.shape == (1 + 10 * c.n_layer + 2,)
@@ -328,10 +328,10 @@ def test_z_test_is_calibrated_for_matrices_and_vectors_separately(fast, clt, ran
 def reference_rule(z: int, m: int, threshold: int, shift: int, c) -> tuple[int, int]:
     """One entry of --optimizer momentum: (move, new m), as docs/design.org states it."""
     u = max(-127, min(127, rounded(z, shift)))
-    m = m - rounded(m, c.momentum_shift) + u
+    m = m - rounded(m, c.rule_flags.momentum_shift) + u
     bar = threshold + 1  # |m| > threshold: |m| >= threshold + 1
     # bars' worth, at most max_step
-    steps = max(k for k in range(c.max_step + 1) if abs(m) >= k * bar)
+    steps = max(k for k in range(c.rule_flags.max_step + 1) if abs(m) >= k * bar)
     return ((m > 0) - (m < 0)) * steps, 0 if steps else m
 
 
@@ -373,7 +373,7 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
             ),
         )
         for name, z in reference_z(ref_params, noise, scores, c).items():
-            kind = 0 if name in run.MATRICES else 1
+            kind = 0 if run.parameters_of(c)[name].matrix else 1
             m = ref_state[f"m/{name}"]
             for index in np.ndindex(z.shape):
                 threshold = int(thresholds[generation][kind])
@@ -384,11 +384,11 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
                 longest = max(longest, abs(step))
         for key in state:
             np.testing.assert_array_equal(state[key], ref_state[key], err_msg=key)
-        for name in run.PARAM_NAMES:
+        for name in run.parameters_of(c):
             np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
         assert int(np.sum(moved)) > 0
     # moves of several steps were made, and only where allowed
-    assert (longest > 1) == (c.max_step > 1)
+    assert (longest > 1) == (c.rule_flags.max_step > 1)
 
 
 @pytest.mark.parametrize("momentum_shift, fast", [(2, True), (4, False)])
@@ -423,9 +423,10 @@ def test_momentum_thresholds_are_calibrated_under_the_null(momentum_shift, fast)
         z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries)
         for kind, z in (("matrix", z_matrix), ("vector", z_vector)):
             index = 1 if kind == "vector" else 0
-            test = run.Test(jnp.int32(thresholds[index]), stds[index], jnp.zeros(1, jnp.int32))
-            moves, found = step(jnp.asarray(z), {"m": rule[kind]}, test, cfg)
-            rule[kind] = found["m"]
+            threshold = jnp.int32(thresholds[index])
+            evidence = run.Evidence(threshold, stds[index], jnp.zeros(1, jnp.int32), 0.0)
+            moves, kept_state = step(jnp.asarray(z), {"m": rule[kind]}, evidence, cfg.rule_flags)
+            rule[kind] = kept_state["m"].astype(jnp.int16)
             u = np.clip(round_half_away(z.astype(np.int64), shifts[index]), -127, 127)
             m = kept[kind] - round_half_away(kept[kind], momentum_shift) + u
             kept[kind] = m
@@ -520,7 +521,7 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
         identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
-        return cfg.max_step, identity["max_step"]
+        return cfg.rule_flags.max_step, identity["max_step"]
 
     at = 2 * run.STEP2_PAIRS
     assert resolved(at - 2) == (1, 1) and resolved(at) == (2, 2)
@@ -536,8 +537,8 @@ def resolved_setting(name: str, *flags: str) -> int:
     args = run.parse_args(["--parallel_generations_per_gpu", "8", *flags])
     cfg = run.make_config(args)
     identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
-    assert identity[name] == getattr(cfg, name)
-    return getattr(cfg, name)
+    assert identity[name] == chosen(cfg, name)
+    return chosen(cfg, name)
 
 
 def test_a_model_from_100000_parameters_quarters_its_blocks_outputs_unless_told():
