@@ -1629,9 +1629,16 @@ SPREAD = jax.sharding.PartitionSpec(None, POP)
 def every_replica(one_replica: Callable, shared: tuple[int, ...] = ()) -> Callable:
     """one_replica, written for one model, over the leading replica axis (K) of each of its
     arguments but those at the indices `shared` (the same for every replica): the one place the
-    replicas are added."""
+    replicas are added. One replica is called as it is, its axis taken off and put back (a dot
+    mapped over a replica axis of one, XLA:CPU computes with every weight copied transposed)."""
 
     def replicas(*args):
+        mapped = [x for i, x in enumerate(args) if i not in shared]
+        if jax.tree.leaves(mapped)[0].shape[0] == 1:
+            alone = [
+                x if i in shared else jax.tree.map(lambda v: v[0], x) for i, x in enumerate(args)
+            ]
+            return jax.tree.map(lambda v: v[None], one_replica(*alone))
         axes = tuple(None if i in shared else 0 for i in range(len(args)))
         return jax.vmap(one_replica, in_axes=axes)(*args)
 

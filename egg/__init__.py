@@ -14,6 +14,7 @@ flags are a group of its own (a Flags dataclass), which run.Args gathers under t
     diagnostics.py  the int8 activations' and parameters' health (--log_every, --debug)
     pbt.py          replicas' settings and population-based training: exploit and explore
     sampling.py     text drawn from a model's log2-probabilities, byte by byte
+    command.py      the command line: flags as given, retired variants, the checks, how it ends
     kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic
                     defines
     hlo.py          a compiled program's text read once: collectives, kernels and their cost

@@ -466,7 +466,7 @@ def step_variants(
 def product_calls(flags: list[str]):
     """(cfg, {operand shapes: calls a generation}) of the product kernel's calls in run.py's
     generation step for these flags, read as the step is traced (each call traced once a token:
-    a generation makes it once for each of its tokens)."""
+    a generation makes it once for each of its tokens), a call one replica's operands."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -533,24 +533,24 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
     rng = np.random.default_rng(0)
     lines = [
         f"== (t) {config.name}: the product kernel's tiles (rows of pairs x columns, warps)",
-        f"{'x, w (K Q Sn; G L K m n), noise gain residual':52} {'calls':>7} {'rule':>15} "
+        f"{'x, w (Q Sn; G L m n), noise gain residual':52} {'calls':>7} {'rule':>15} "
         f"{'us':>8} {'best':>15} {'us':>8} {'bare us':>8} {'XLA GEMM us':>11}",
     ]
     print(*lines, sep="\n", flush=True)
     rule_total = best_total = 0.0
     for key, count in calls.items():
         x_shape, w_shape = key[0][0], key[1][0]
-        (replicas, pairs, width), (groups, _, _, m, n) = x_shape, w_shape
-        distinct = key[2][0][3] if key[2] else pairs
+        (pairs, width), (groups, _, m, n) = x_shape, w_shape
+        distinct = key[2][0][2] if key[2] else pairs
         operands = []
-        for spec in key:
+        for i, spec in enumerate(key):
             if spec is None:
                 operands.append(None)
             elif spec[1] == "int8":
                 operands.append(jnp.asarray(rng.integers(-127, 128, spec[0]).astype(np.int8)))
-            else:  # the layer and the replicas' sigma shifts
-                operands.append(jnp.full(spec[0], 0 if spec[0] == () else 3, jnp.int32))
-        rule = kernel.tiles(replicas, groups, pairs, distinct, m, n, width // n)
+            else:  # the replica's sigma shift (4), the layer (5)
+                operands.append(jnp.full(spec[0], 3 if i == 4 else 0, jnp.int32))
+        rule = kernel.tiles(cfg.replicas, groups, pairs, distinct, m, n, width // n)
         times = {}
         for (rows, columns), w in itertools.product(kernel.tile_options(distinct, m), warps):
             if clock.left() < 10:
@@ -573,7 +573,7 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
         plain = seconds_a_call(
             bare, [*operands[:2], None, None, None, operands[5], None, None], least
         )
-        x2, w2 = operands[0].reshape(-1, n), operands[1][0, 0, 0]
+        x2, w2 = operands[0].reshape(-1, n), operands[1][0, 0]
         gemm = jax.jit(lambda x, w: jnp.einsum("rn,mn->rm", x, w, preferred_element_type=jnp.int32))
         xla = seconds_a_call(gemm, (x2, w2), least) * groups
         best = min(times, key=times.get)
@@ -657,11 +657,11 @@ def kernel_against_interpreter(platform: str, kernel=None, shapes=KERNEL_SHAPES)
         if added and m != n:
             continue
         sides = 2 if noisy else 1
-        x, w = r8(1, pairs, sides * n), r8(1, 2, 1, m, n)
-        a, b = (r8(1, 2, 1, pairs, k, low=-8, high=9) for k in (m, n)) if noisy else (None, None)
-        gain = r8(2, 1, pairs if noisy else 1, sides * n, low=1) if gained else None  # a row each
-        residual = r8(1, pairs, sides * m) if added else None
-        operands = (x, w, a, b, jnp.asarray([2], jnp.int32), jnp.int32(1), gain, residual)
+        x, w = r8(pairs, sides * n), r8(1, 2, m, n)
+        a, b = (r8(1, 2, pairs, k, low=-8, high=9) for k in (m, n)) if noisy else (None, None)
+        gain = r8(2, pairs if noisy else 1, sides * n, low=1) if gained else None  # a row each
+        residual = r8(pairs, sides * m) if added else None
+        operands = (x, w, a, b, jnp.int32(2), jnp.int32(1), gain, residual)
         outs = [
             np.asarray(jax.jit(partial(kernel, interpret=interpret))(*operands)).astype(int)
             for interpret in (True, platform == "cpu")

@@ -298,16 +298,16 @@ def test_a_product_kernel_is_costed_by_the_layer_it_reads():
     def shaped(*shape, dtype=jnp.int8):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    def program(x, w, a, b, shifts):
+    def program(x, w, a, b, shift):
         options = dict(interpret=False, arithmetic=run.ARITHMETIC)
-        return kernel.product(x, w, a, b, shifts, jnp.int32(1), None, None, **options)
+        return kernel.product(x, w, a, b, shift, jnp.int32(1), None, None, **options)
 
     operands = (
-        shaped(1, pairs, 2 * n),
-        shaped(2, layers, 1, m, n),
-        shaped(2, layers, 1, pairs, m),
-        shaped(2, layers, 1, pairs, n),
-        shaped(1, dtype=jnp.int32),
+        shaped(pairs, 2 * n),
+        shaped(2, layers, m, n),
+        shaped(2, layers, pairs, m),
+        shaped(2, layers, pairs, n),
+        shaped(dtype=jnp.int32),
     )
     with bench.without_compilation_cache():
         traced = jax.jit(program).trace(*operands)
