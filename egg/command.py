@@ -19,10 +19,10 @@ from egg.flags import (
     facts_of,
     flag_given,
     flat,
+    given_value,
     group_of,
     parse,
     since,
-    value,
 )
 
 # Variants measured and not adopted (docs/results.org, "Tried, not adopted"): their code left after
@@ -52,7 +52,7 @@ def parse_args(cls: type, argv: list[str]):
     for name in RETIRED_FLAGS:
         if any(flag_given(argv, f"{no}{name}") for no in ("", "no-", "no_")):
             raise retired(name)
-    recorded, folder = resume.recorded_flags(value(parse(cls, argv), "resume"))
+    recorded, folder = resume.recorded_flags(given_value(argv, "resume") or "")
     for name, setting in RETIRED_SETTINGS.items():
         if recorded.get(name) == setting:
             raise retired(name, setting)

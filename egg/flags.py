@@ -12,11 +12,14 @@ particular flag: each function takes the dataclass (or its values) it works on."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
+import json
 import math
 import typing
 from collections.abc import Callable, Iterable
-from functools import cache
 from typing import Annotated, Any, NamedTuple
 
 import tyro
@@ -102,7 +105,7 @@ def group(hint) -> type | None:
     return base if dataclasses.is_dataclass(base) else None
 
 
-@cache
+@functools.cache
 def hints_of(cls: type) -> dict[str, tuple[str, Any]]:
     """{flag: (its group's field, '' at the top; its type hint with its metadata)} of every flag."""
     found = {}
@@ -114,7 +117,7 @@ def hints_of(cls: type) -> dict[str, tuple[str, Any]]:
     return found
 
 
-@cache
+@functools.cache
 def facts_of(cls: type) -> dict[str, Facts]:
     """{flag: its Facts} for every flag of a flags dataclass (Facts() where it has none)."""
     found = {
@@ -167,6 +170,16 @@ def check_ranges(args) -> None:
         if facts.choices is not None and value(args, name) not in facts.choices():
             known = ", ".join(facts.choices())
             raise UserError(f"--{name} must be one of {known}, got {value(args, name)}")
+
+
+def given_value(argv: list[str], name: str) -> str | None:
+    """The value argv gives --name (--name VALUE or --name=VALUE, the last one), else None."""
+    found = None
+    for i, word in enumerate(argv):
+        key, equals, after = word.partition("=")
+        if flag_given([key], name):
+            found = after if equals else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
 
 
 def flag_given(argv: list[str], name: str) -> bool:
@@ -255,6 +268,48 @@ def parse(cls: type, argv: list[str], recorded: dict | None = None):
     --algorithm upstream every flag with an upstream value set to it unless given. `recorded`: a
     run's flags as flat() wrote them (JSON), the defaults the command line overrides; the preset is
     in them already (it applies again only where --algorithm is given)."""
+    return parsed(cls, tuple(argv), json.dumps(recorded or {}, sort_keys=True))
+
+
+SOURCE_OF = inspect.getsource
+
+
+@functools.cache
+def class_source(cls: type) -> tuple[str | None, Exception | None]:
+    """A class's source, or why it has none (a class made at run time: Args)."""
+    try:
+        return SOURCE_OF(cls), None
+    except (OSError, TypeError) as error:
+        return None, error
+
+
+def kept_source(target) -> str:
+    if not isinstance(target, type):
+        return SOURCE_OF(target)
+    source, error = class_source(target)
+    if error is not None:
+        raise error
+    return source
+
+
+@contextlib.contextmanager
+def sources_kept():
+    """While tyro reads the flags: each class's source read once a process. tyro reads the source
+    of every flags class (its fields' help) anew at every call, and Python 3.11 finds a class in
+    its module by parsing the whole module: 0.1 s for each class of run.py's, and for Args, which
+    has no source."""
+    inspect.getsource = kept_source
+    try:
+        yield
+    finally:
+        inspect.getsource = SOURCE_OF
+
+
+@functools.lru_cache(maxsize=256)
+def parsed(cls: type, argv: tuple[str, ...], recorded_json: str):
+    """parse's flags, kept for the same command line and record (frozen: shared safely); tyro reads
+    each flags class's source anew at every call, a quarter of a second for run.py's."""
+    recorded = json.loads(recorded_json)
     booleans = {
         name
         for name, (_, hint) in hints_of(cls).items()
@@ -270,7 +325,8 @@ def parse(cls: type, argv: list[str], recorded: dict | None = None):
         }
         defaults = replace(cls(), **known)
     # --help spells flags as upstream does
-    args = tyro.cli(cls, args=out, use_underscores=True, default=defaults)
+    with sources_kept():
+        args = tyro.cli(cls, args=out, use_underscores=True, default=defaults)
     if getattr(args, "algorithm", "") == "upstream" and (
         not recorded or flag_given(out, "algorithm")
     ):
