@@ -660,7 +660,8 @@ class Model(NamedTuple):
 
     parameters(cfg) -> {name: Parameter}, in the noise stream's order
     state(cfg) -> one member's carried state's shape, int8 ((0,) for none)
-    begin(states_RxDxS..., cfg) -> what step carries from byte to byte; end(carried, cfg) -> states
+    begin(states_Mx..., layout, cfg) -> what step carries from byte to byte, the members laid out
+    (R, D, S) = layout; end(carried, cfg) -> the states (M, ...)
     step(w, carried, byte_RxDxS, cfg) -> (logits_RxDxSxV int8 at LOGIT_FRAC, carried, activations)
     window(w, bytes_TxRxDxS, cfg) -> (logits_TxRxDxSxV, activations), each byte's from those before
     groups: the matrices each call of products() multiplies one input by (the kernel stacks them)
@@ -698,14 +699,14 @@ def each_layer(layer, x, states, cfg: Config):
     if cfg.unrolled:
         new, seen = [], []
         for at, h in enumerate(states):
-            x, h, found = layer(x, h, at)
+            x, h, activations = layer(x, h, at)
             new.append(h)
-            seen.append(found)
+            seen.append(activations)
         return x, tuple(new), jax.tree.map(lambda *v: jnp.stack(v), *seen)
 
     def scanned(x, h_at):
-        x, h, found = layer(x, *h_at)
-        return x, (h, found)
+        x, h, activations = layer(x, *h_at)
+        return x, (h, activations)
 
     x, (states, seen) = jax.lax.scan(scanned, x, (states, jnp.arange(states.shape[0])))
     return x, states, seen
@@ -745,13 +746,16 @@ def egg_state(cfg: Config) -> tuple[int, ...]:
     return (cfg.n_layer, cfg.n_embd)
 
 
-def egg_begin(states, cfg: Config):
-    """The states (R, D, S, L, E) with their layer axis first, as the layers slice them."""
-    return layer_carry(jnp.moveaxis(states, -2, 0), cfg)
+def egg_begin(states_MxLxE, layout: tuple[int, int, int], cfg: Config):
+    """The members' states with their layer axis first, as the layers slice them: (L, R, D, S, E)
+    in the members' layout (R, D, S)."""
+    states = jnp.moveaxis(states_MxLxE, 1, 0)
+    return layer_carry(states.reshape((cfg.n_layer,) + layout + (cfg.n_embd,)), cfg)
 
 
 def egg_end(carried, cfg: Config):
-    return jnp.moveaxis(jnp.stack(carried), 0, -2)
+    """The members' states (M, L, E) from what the byte loop carried."""
+    return jnp.moveaxis(jnp.stack(carried).reshape((cfg.n_layer, -1, cfg.n_embd)), 0, 1)
 
 
 def egg_gru(x, h, layer, w: Perturbed, cfg: Config):
@@ -893,7 +897,7 @@ def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg
     layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
     w = perturbed(params, noise, make_sides(0 if noise is None else sigma_shift, sides), cfg)
     inputs, targets = (x.T.reshape((-1,) + layout) for x in (inputs_MxT, targets_MxT))
-    states = states_MxS.reshape(layout + states_MxS.shape[1:])
+    states = states_MxS  # a window model carries none
     if model.window is not None:
         logits, _ = model.window(w, inputs, cfg)
         ll_TxRxDxS = log2_likelihood(logits, targets, w.tables)
@@ -903,9 +907,10 @@ def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg
             logits, carried, _ = model.step(w, carried, io[0], cfg)
             return carried, log2_likelihood(logits, io[1], w.tables)
 
-        carried, ll_TxRxDxS = jax.lax.scan(read, model.begin(states, cfg), (inputs, targets))
+        carried = model.begin(states_MxS, layout, cfg)
+        carried, ll_TxRxDxS = jax.lax.scan(read, carried, (inputs, targets))
         states = model.end(carried, cfg)
-    return jnp.sum(ll_TxRxDxS, axis=0).reshape(count), states.reshape(states_MxS.shape)
+    return jnp.sum(ll_TxRxDxS, axis=0).reshape(count), states
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1664,8 +1669,8 @@ def segment_noise_sources(cfg: Config, seed, generation, start):
 
     def z_of(weights):
         def add(z, segment):
-            found = z_statistics(noise_of(segment, 0, cfg.distinct_pairs), weights[segment], cfg)
-            return jax.tree.map(jnp.add, z, found), None
+            z_here = z_statistics(noise_of(segment, 0, cfg.distinct_pairs), weights[segment], cfg)
+            return jax.tree.map(jnp.add, z, z_here), None
 
         zero = {k: jnp.zeros(full_shape(p, cfg), i32) for k, p in parameters_of(cfg).items()}
         return jax.lax.scan(add, zero, jnp.arange(cfg.segments))[0]
@@ -1911,8 +1916,8 @@ def one_model(params, cfg: Config, rows: int) -> tuple[Perturbed, Any]:
     its byte loop carries them (laid out (1, rows, 1): R = S = 1)."""
     w = perturbed(params, None, make_sides(0, 1), cfg)
     model = MODELS[cfg.model]
-    states = jnp.zeros((1, rows, 1) + model.state(cfg), jnp.int8)
-    return w, model.begin(states, cfg) if model.window is None else None
+    states = jnp.zeros((rows,) + model.state(cfg), jnp.int8)
+    return w, model.begin(states, (1, rows, 1), cfg) if model.window is None else None
 
 
 @cache
@@ -2248,10 +2253,11 @@ def train(args: Args) -> dict:
             checkpointer.best = resumed.meta.get("best_val_bits_per_byte", math.inf)
         # (params, rule state, states): donated to the step, which returns their next values
         carry = on_mesh(params, rule_state, states, mesh)
-        console = record.Console(args.num_epochs, start, writer, started)
+        generations = args.num_epochs  # the generations to train, counted from the run's start
+        console = record.Console(generations, start, writer, started)
         # each replica's last validation bits/byte, and the best replica
         scores, leader = [math.nan] * cfg.replicas, 0
-        if start >= args.num_epochs:
+        if start >= generations:
             more = f"the checkpoint is at generation {start}; give --num_epochs above it"
             console.log(f"nothing to do: {more}")
             ended = Ended(scores, leader, replicas, stopped=True)
@@ -2289,9 +2295,9 @@ def train(args: Args) -> dict:
         # are needed: to validate, diagnose, sample, save or stop.
         metrics, stopping, pending = {}, False, None
         with console.ends_with_the_bar(), awaiting_jax_verdict(args.cluster.heartbeat_timeout):
-            for generation in range(start, args.num_epochs):
+            for generation in range(start, generations):
                 done = generation + 1
-                last = done == args.num_epochs
+                last = done == generations
                 inputs, at = replica_inputs(cfg, replicas, generation), time.time()
                 *carry, fitness, moved = compiled.step(*carry, batch, np.int32(generation), *inputs)
                 sent = Dispatched(generation, fitness, moved, replicas, at)  # running

@@ -6,6 +6,7 @@ within [-127, 127] and its products' int32 accumulators, measured in int64 besid
 worst cases it declares, at extreme parameters, noise and bytes."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -191,8 +192,8 @@ def test_every_models_activations_are_int8_and_accumulators_within_its_bounds(
                     if model.window is not None:
                         seen = [model.window(w, tokens, cfg)[1]]
                     else:
-                        states = jnp.zeros((*members, *model.state(cfg)), jnp.int8)
-                        carried, seen = model.begin(states, cfg), []
+                        states = jnp.zeros((math.prod(members), *model.state(cfg)), jnp.int8)
+                        carried, seen = model.begin(states, members, cfg), []
                         for byte in tokens:
                             _, carried, activations = model.step(w, carried, byte, cfg)
                             seen.append(activations)
