@@ -614,6 +614,7 @@ def target_report(args: Args) -> dict:
     return figures | {
         "cfg": cfg,
         "kernels": {"training": train.kernels, "inference": inference.kernels},
+        "compiled": {"training": train.compiled, "inference": inference.compiled},
     }
 
 

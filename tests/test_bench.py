@@ -88,45 +88,24 @@ def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporari
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_no_int8_product_of_the_h100_program_is_shallower_than_32(rank):
+def test_h100_products_are_32_deep_and_full_ranks_go_to_cublas(rank):
     """Hopper's int8 dot is 32 deep, and 16-deep ones were wrong on an H200: a 16D model's products
-    (the shared GEMM, --rank 0's noise matrices) and Z of 8 pairs are padded with zeros to 32."""
-    flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1", "--rank")
-    compiled, _, _ = compile_step(tiny_args(*flags, rank))
+    (the shared GEMM, --rank 0's noise matrices) and Z of 8 pairs are padded with zeros to 32.
+    XLA's Triton GEMMs summed some of full rank's fused int8 products wrongly on an H200 and
+    cuBLAS's gave the CPU's bits: --rank 0 compiles without them; rank 1, whose Triton GEMMs were
+    right, keeps them (XLA's products here: the kernel takes none of rank 0's)."""
+    flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1")
+    compiled, _, _ = compile_step(tiny_args(*flags, "--rank", rank, "--kernels", "xla"))
+    text = compiled.as_text()
+    integer_only(text)
     found = []
-    for body in hlo.computations(compiled.as_text())[0].values():
+    for body in hlo.computations(text)[0].values():
         shapes = {x.name: x.shapes for x in body}
         for x in (x for x in body if hlo.is_product(x)):  # at --rank 0 cuBLAS's (run.py)
             found.append(np.prod(hlo.product_depths(x, shapes[x.operands[0]][0])))
     assert found and min(found) >= run.DOT_DEPTH == 32, found
-
-
-def test_full_ranks_h100_products_go_to_cublas_and_rank_1s_to_triton():
-    """XLA's Triton GEMMs summed some of full rank's fused int8 products wrongly on an H200 and
-    cuBLAS's gave the CPU's bits: --rank 0 compiles without them; rank 1, whose Triton GEMMs were
-    right, keeps them."""
-    flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1")
     triton_gemm = re.compile(r'"kind":"__triton\w*gemm\w*"')
-    for rank in ("0", "1"):  # XLA's products at rank 1 too: the kernel takes none of rank 0's
-        compiled, _, _ = compile_step(tiny_args(*flags, "--rank", rank, "--kernels", "xla"))
-        text = compiled.as_text()
-        integer_only(text)
-        assert bool(triton_gemm.search(text)) == (rank == "1"), rank
-        assert ("__cublas" in text) == (rank == "0"), rank
-
-
-def test_validation_and_inference_compile_for_the_h100_integer_only():
-    args = tiny_args(*SMALL)
-    compiled, cfg, mesh = compile_step(args, "inference")
-    integer_only(compiled.as_text())
-    params = bench.abstract_inputs(args, cfg, mesh)[0]
-    rows = jax.ShapeDtypeStruct(
-        (8, 17),
-        jnp.uint8,
-        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pop")),
-    )
-    with bench.without_compilation_cache():
-        integer_only(run.make_evaluate(cfg, mesh).lower(params, rows).compile().as_text())
+    assert bool(triton_gemm.search(text)) == (rank == "1") and ("__cublas" in text) == (rank == "0")
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -230,10 +209,23 @@ def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
 
 def test_target_report_gives_the_compiled_program_its_launches_and_a_modeled_speed(capsys):
     """The report of a small model's program for an H100: its figures, the product kernel's calls
-    costed as they declare, and its launches as XLA's dumped thunk sequence says."""
+    costed as they declare, and its launches as XLA's dumped thunk sequence says. Its training and
+    inference, and validation, compile for the H100 integer only."""
     args = run.parse_args([*TINY, *SMALL, "--target", "h100"], bench.Args)
     figures = bench.target_report(args)
     out = capsys.readouterr().out
+    for compiled in figures["compiled"].values():
+        integer_only(compiled.as_text())
+    mesh = bench.target_mesh("h100", 1)
+    params = bench.abstract_inputs(args, figures["cfg"], mesh)[0]
+    rows = jax.ShapeDtypeStruct(
+        (8, 17),
+        jnp.uint8,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pop")),
+    )
+    with bench.without_compilation_cache():
+        evaluate = run.make_evaluate(figures["cfg"], mesh).lower(params, rows).compile()
+    integer_only(evaluate.as_text())
     for line in (
         "kernels per token:",
         "bytes per token and member:",

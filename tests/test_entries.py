@@ -88,61 +88,70 @@ def flag_extremes(rule, sizes):
 @pytest.mark.parametrize("name", RULES)
 def test_every_rules_state_stays_within_its_dtype_at_extreme_inputs(toys, name):
     """Z at the largest magnitude the bounds allow, of one sign, alternating and at random, for
-    200 generations with thresholds nothing passes, everything passes and in between: every slot's
-    new state (int32, before apply_rule stores it) within its dtype."""
+    200 generations with thresholds nothing passes, everything passes and in between, at each of
+    the rule's flags' extreme values: every slot's new state (int32, before apply_rule stores it)
+    within its dtype."""
     rule = run.RULES[name]
     cfg = config("--optimizer", name)
-    bounds = run.accumulator_bounds(cfg)
-    reach = bounds["Z of a matrix entry"][0]
+    reach = run.accumulator_bounds(cfg)["Z of a matrix entry"][0]
     sizes = run.Sizes(run.num_parameters(cfg), run.scored_pairs(cfg))
     rng = np.random.default_rng(1)
-    kinds = {
-        "one sign": lambda g: np.full(64, reach),
-        "alternating": lambda g: np.full(64, reach * (1 - 2 * (g % 2))),
-        "random": lambda g: rng.integers(-reach, reach + 1, 64),
-    }
+    generations, entries = 200, 64
+    # (generations, kind, entries): one sign, alternating, at random
+    signs = np.stack([np.ones(generations), 1 - 2 * (np.arange(generations) % 2)], 1)
+    kinds = np.concatenate(
+        [
+            np.repeat(signs[:, :, None] * reach, entries, 2),
+            rng.integers(-reach, reach + 1, (generations, 1, entries)),
+        ],
+        1,
+    )
     for own in flag_extremes(rule, sizes):
         for z_std in run.null_std(cfg):
-            for threshold in (run.INT32_MAX, 0, int(2 * z_std)):
-                for kind, z_of in kinds.items():
-                    state = {slot: jnp.zeros(64, dtype) for slot, dtype in rule.state.items()}
-                    weights = jnp.zeros(1, jnp.int32)
-                    evidence = run.Evidence(jnp.int32(threshold), z_std, weights, 1.0)
-                    for generation in range(200):
-                        z = jnp.asarray(z_of(generation), jnp.int32)
-                        moves, new = rule.step(z, state, evidence, own)
-                        for slot, dtype in rule.state.items():
-                            values, info = np.asarray(new[slot]), jnp.iinfo(dtype)
-                            assert info.min <= values.min() and values.max() <= info.max, (
-                                own,
-                                kind,
-                                threshold,
-                                slot,
-                            )
-                        state = {
-                            slot: new[slot].astype(dtype) for slot, dtype in rule.state.items()
-                        }
-                        assert np.asarray(moves).dtype == np.int32
+            thresholds = jnp.asarray([run.INT32_MAX, 0, int(2 * z_std)], jnp.int32)
+            # each kind of Z under each threshold: (generations, thresholds x kinds, entries)
+            z = jnp.asarray(np.tile(kinds, (1, 3, 1)), jnp.int32)
+            evidence = run.Evidence(jnp.repeat(thresholds, 3)[:, None], z_std, jnp.zeros(1), 1.0)
+
+            def generation(state, z_now, own=own, evidence=evidence):
+                moves, new = rule.step(z_now, state, evidence, own)
+                stored = {slot: new[slot].astype(dtype) for slot, dtype in rule.state.items()}
+                return stored, (new, moves)
+
+            start = {slot: jnp.zeros(z.shape[1:], dtype) for slot, dtype in rule.state.items()}
+            new, moves = jax.jit(lambda z, start=start, f=generation: jax.lax.scan(f, start, z)[1])(
+                z
+            )
+            assert np.asarray(moves).dtype == np.int32
+            for slot, dtype in rule.state.items():
+                values, info = np.asarray(new[slot]), jnp.iinfo(dtype)
+                assert info.min <= values.min() and values.max() <= info.max, (own, slot)
 
 
 def recorded_matmul(monkeypatch) -> dict:
-    """run.matmul with each accumulator also computed in int64 (concrete values: jit disabled):
-    the largest magnitude of x W^T + the noise term, and of x B, so far."""
+    """run.matmul with each accumulator also computed in int64 on the host, beside it (a callback
+    from the compiled program): the largest magnitude of x W^T + the noise term, and of x B."""
     largest, matmul = {"matmul": 0, "x B": 0}, run.matmul
 
-    def recording(x, w, nz, sides):
-        x64, sign, shift = np.asarray(x, np.int64), np.asarray(sides.sign), int(sides.shift)
+    def record(x, w, a, b, full, sign, shift):
+        x64, shift = np.asarray(x, np.int64), int(shift)
+        sign = np.asarray(sign)[..., None]
         acc = x64 @ np.asarray(w, np.int64).T
-        if isinstance(nz, tuple):
-            a, b = (np.asarray(f, np.int64) for f in nz)  # (D, m, r), (D, n, r)
-            xb = np.einsum("edsn,dnq->edsq", x64, b)
-            u = sign[..., None] * (xb >> run.NOISE_FRAC)
-            acc = acc + (np.einsum("edsq,dmq->edsm", u, a) >> shift)
+        if a.size:  # (D, m, r), (D, n, r)
+            xb = np.einsum("edsn,dnq->edsq", x64, np.asarray(b, np.int64))
+            u = sign * (xb >> run.NOISE_FRAC)
+            acc = acc + (np.einsum("edsq,dmq->edsm", u, np.asarray(a, np.int64)) >> shift)
             largest["x B"] = max(largest["x B"], int(np.abs(xb).max()))
-        elif nz is not None:
-            full = np.einsum("edsn,dmn->edsm", x64, np.asarray(nz, np.int64))
-            acc = acc + ((sign[..., None] * full) >> shift)
+        elif full.size:
+            noise = np.einsum("edsn,dmn->edsm", x64, np.asarray(full, np.int64))
+            acc = acc + ((sign * noise) >> shift)
         largest["matmul"] = max(largest["matmul"], int(np.abs(acc).max()))
+
+    def recording(x, w, nz, sides):
+        none = jnp.zeros(0, jnp.int8)
+        a, b = nz if isinstance(nz, tuple) else (none, none)
+        full = nz if nz is not None and not isinstance(nz, tuple) else none
+        jax.debug.callback(record, x, w, a, b, full, sides.sign, sides.shift)
         return matmul(x, w, nz, sides)
 
     monkeypatch.setattr(run, "matmul", recording)
@@ -180,25 +189,31 @@ def test_every_models_activations_are_int8_and_accumulators_within_its_bounds(
         "random": lambda shape: rng.choice([-127, 127], shape),
     }
     rows = [np.full(3, 255, np.uint8), np.zeros(3, np.uint8), rng.integers(0, 256, 3, np.uint8)]
+
+    @jax.jit
+    def activations(params, noise, tokens):
+        """Every activation of members (1, 2, S) reading the bytes, as the forward reads them."""
+        members = (1, 2, 1 if noise is None else 2)  # (R, D, S)
+        w = run.perturbed(params, noise, run.make_sides(0, members[2]), cfg)
+        if model.window is not None:
+            return [model.window(w, tokens, cfg)[1]]
+        states = jnp.zeros((math.prod(members), *model.state(cfg)), jnp.int8)
+
+        def read(carried, byte):
+            _, carried, seen = model.step(w, carried, byte, cfg)
+            return carried, seen
+
+        return [jax.lax.scan(read, model.begin(states, members, cfg), tokens)[1]]
+
     for setting, values in settings.items():
         params = {k: jnp.asarray(values(shape), jnp.int8) for k, shape in shapes.items()}
         for noise in (extreme_noise(cfg, 1), extreme_noise(cfg, -1), None):
-            sides = run.make_sides(0, 1 if noise is None else 2)
-            members = (1, 2, 1 if noise is None else 2)  # (R, D, S)
+            sides = 1 if noise is None else 2
             for row in rows:
-                tokens = jnp.asarray(np.broadcast_to(row[:, None, None, None], (3, *members)))
-                with jax.disable_jit():
-                    w = run.perturbed(params, noise, sides, cfg)
-                    if model.window is not None:
-                        seen = [model.window(w, tokens, cfg)[1]]
-                    else:
-                        states = jnp.zeros((math.prod(members), *model.state(cfg)), jnp.int8)
-                        carried, seen = model.begin(states, members, cfg), []
-                        for byte in tokens:
-                            _, carried, activations = model.step(w, carried, byte, cfg)
-                            seen.append(activations)
-                for activations in seen:
-                    for key, x in activations.items():
+                tokens = jnp.asarray(np.broadcast_to(row[:, None, None, None], (3, 1, 2, sides)))
+                for seen in activations(params, noise, tokens):
+                    jax.effects_barrier()
+                    for key, x in seen.items():
                         x = np.asarray(x)
                         assert x.dtype == np.int8 and np.abs(x).max() <= 127, (setting, key)
     print(f"{name}: largest accumulators {largest}")

@@ -239,10 +239,10 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     assert abs(share - alpha) < 0.05, share
 
 
-def null_z(cfg, rng, pairs, entries, fitness=None):
+def null_z(cfg, rng, pairs, entries, fitness=None, checked=True):
     """One generation under the null: scores shaped from fitness unrelated to the noise (normal
     unless given), and Z of `entries` matrix entries and `entries` vector entries drawn from the
-    noise tables, each from run.z_statistic and checked against a plain numpy sum of
+    noise tables, each from run.z_statistic and (`checked`) checked against a plain numpy sum of
     docs/design.org's terms (float64: exact below 2**53). Returns them and the sum of squared
     scores."""
     tables = run.make_tables(cfg.rank)
@@ -259,7 +259,8 @@ def null_z(cfg, rng, pairs, entries, fitness=None):
     weights = jnp.asarray(shaped, jnp.int32)
     vector = draw(tables.gauss, (pairs, entries))
     z_vector = np.asarray(run.z_statistic(jnp.asarray(vector), weights, cfg))
-    np.testing.assert_array_equal(z_vector, shaped @ plain(vector))
+    if checked:
+        np.testing.assert_array_equal(z_vector, shaped @ plain(vector))
     side = math.isqrt(entries)
     if cfg.rank:
         a, b = (
@@ -267,6 +268,8 @@ def null_z(cfg, rng, pairs, entries, fitness=None):
             draw(tables.gauss_rank, (pairs, side, cfg.rank)),
         )
         z_matrix = np.asarray(run.z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
+        if not checked:
+            return z_matrix.ravel(), z_vector, int(np.sum(shaped.astype(np.int64) ** 2))
         product = shaped[:, None, None].astype(np.int64) * plain(a).astype(np.int64)
         operand = round_half_away(product, operand_shift(cfg))
         want = sum(
@@ -413,20 +416,26 @@ def test_momentum_thresholds_are_calibrated_under_the_null(momentum_shift, fast)
     )
     cfg = run.make_config(args)
     thresholds, shifts, stds = z_thresholds(args, cfg)[0], u_shifts(cfg), run.null_std(cfg)
-    step = run.RULES["momentum"].step
+    rule = run.RULES["momentum"]
+
+    @partial(jax.jit, static_argnums=3)
+    def step(z, m, threshold, index):  # one kind's: its null std is a constant of the rule
+        evidence = run.Evidence(threshold, stds[index], jnp.zeros(1, jnp.int32), 0.0)
+        moves, kept_state = rule.step(z, {"m": m}, evidence, cfg.rule_flags)
+        return moves, kept_state["m"].astype(jnp.int16)
+
     entries, generations = 10_000, 8 << momentum_shift
-    rule = {kind: jnp.zeros(entries, jnp.int16) for kind in ("matrix", "vector")}
+    sums = {kind: jnp.zeros(entries, jnp.int16) for kind in ("matrix", "vector")}
     kept = {kind: np.zeros(entries, np.int64) for kind in ("matrix", "vector")}
     rng = np.random.default_rng(momentum_shift + 10 * fast)
     shares = {(kind, which): [] for kind in ("matrix", "vector") for which in ("kept", "rule")}
     for generation in range(generations):
-        z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries)
+        z_matrix, z_vector, _ = null_z(cfg, rng, pairs, entries, checked=False)  # checked above
         for kind, z in (("matrix", z_matrix), ("vector", z_vector)):
             index = 1 if kind == "vector" else 0
-            threshold = jnp.int32(thresholds[index])
-            evidence = run.Evidence(threshold, stds[index], jnp.zeros(1, jnp.int32), 0.0)
-            moves, kept_state = step(jnp.asarray(z), {"m": rule[kind]}, evidence, cfg.rule_flags)
-            rule[kind] = kept_state["m"].astype(jnp.int16)
+            moves, sums[kind] = step(
+                jnp.asarray(z), sums[kind], jnp.int32(thresholds[index]), index
+            )
             u = np.clip(round_half_away(z.astype(np.int64), shifts[index]), -127, 127)
             m = kept[kind] - round_half_away(kept[kind], momentum_shift) + u
             kept[kind] = m
