@@ -415,9 +415,7 @@ class Parameter(NamedTuple):
     shape: tuple[int, ...]  # one layer's; a matrix is (out, in)
     layered: bool  # stacked on a leading n_layer axis
     matrix: bool  # perturbed by low-rank factors A B^T, else (a vector) by full-shape noise
-    start: (
-        int | None
-    )  # every entry's first value, int8; None: ~ N(0, init_std**2) steps (init_params)
+    start: int | None  # each entry's first value (int8); None: ~ N(0, init_std**2) steps
 
 
 class Sides(NamedTuple):
