@@ -1222,8 +1222,7 @@ class MomentumFlags:
     """the momentum rule's own flags (--optimizer momentum)"""
 
     momentum_shift: Annotated[int, *flag("[0, 7]", training=True, why=INT16)] = 0
-    """the running sum keeps 1 - 2**-shift of itself per generation (0: 3 from 1M parameters, else
-    2)"""
+    """its sum keeps 1 - 2**-shift of itself a generation (0: 3 from 1M parameters, else 2)"""
     max_step: Annotated[int, *flag("[0, 127]", training=True, upstream=1)] = 0
     """moves of up to this many steps (0: 2 from 10,000 pairs or 1M parameters, else 1)"""
 

@@ -17,7 +17,7 @@ what it measured), each part skipped with one line where --budget has too little
     with loops recorded too (WHILE); XLA's own products with and without command buffers; then one
     generation of today's program profiled kernel by kernel (JAX's profiler) beside the model's
     time for each kernel;
-(d) full-rank ES (--rank 0), the same 20 generations on the GPU and on the CPU: the same bits;
+(d) full-rank ES (--rank 0), the same 20 generations (--quick: 4) on the GPU and the CPU: same bits;
 (e) the rest: the product kernel as compiled against the same kernel in Pallas's interpreter;
     XLA's int8 products against numpy's; the same low-rank training on the GPU (the kernel's
     products, then XLA's) and on the CPU: the same bits; then the tests whose arithmetic runs on the
@@ -77,8 +77,9 @@ TESTS = [
 SMALL_RUN = (
     "--data tests/data/words.txt --n_embd 16 --n_layer 2 --parallel_generations_per_gpu 64 "
     "--group_size 4 --tokens_per_update 16 --validation_batch_size 8 --validation_tokens 32 "
-    "--num_epochs 20 --save_every 20"
+    "--save_every 0"
 ).split()
+SAME_GENERATIONS = 20  # of each side of (d) and (e)'s comparisons; --quick's: 4
 
 
 @dataclass(frozen=True)
@@ -596,8 +597,10 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
 # (d) and (e): the same bits as the CPU's, and what else runs on the device.
 
 
-def same_training(platform: str, out: Path, flags=(), kernels=True) -> list[str]:
-    """The digests of the same 20 generations on `platform` (its default products, then XLA's,
+def same_training(
+    platform: str, out: Path, flags=(), kernels=True, generations=SAME_GENERATIONS
+) -> list[str]:
+    """The digests of the same generations on `platform` (its default products, then XLA's,
     unless not `kernels`) and on the CPU, with these flags besides SMALL_RUN's."""
     digests = []
     sides = [("device", platform, []), ("device-xla", platform, ["--kernels", "xla"])]
@@ -606,10 +609,11 @@ def same_training(platform: str, out: Path, flags=(), kernels=True) -> list[str]
         runs = out / f"runs-{side}{'-'.join(['', *flags])}"
         split = ["--cpu_devices", "1"] if where == "cpu" else []
         folders = ["--runs_dir", str(runs), "--dir_path", str(out / "cache")]
-        done = run_py(*SMALL_RUN, *flags, *split, *engine, *folders, platform=where)
+        length = ["--num_epochs", str(generations)]
+        done = run_py(*SMALL_RUN, *length, *flags, *split, *engine, *folders, platform=where)
         if done.returncode:
             raise SystemExit(f"training on {where} failed:\n{done.stderr[-3000:]}")
-        (folder,) = runs.glob("*/checkpoints/gen-00000020")
+        (folder,) = runs.glob(f"*/checkpoints/gen-{generations:08d}")
         digests.append(run_module().checkpoints.checkpoint_digest(folder))
     return digests
 
@@ -738,8 +742,9 @@ def the_rest(args: Args, out: Path, clock: Clock) -> list[str]:
         args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
     )
     print(*lines, sep="\n", flush=True)
-    where = f"20 generations on {args.platform} (its kernels; XLA's products) and on the CPU"
-    lines.append(same_bits(where, same_training(args.platform, out)))
+    generations = 4 if args.quick else SAME_GENERATIONS
+    where = f"{generations} generations on {args.platform} (its kernels; XLA's products), the CPU"
+    lines.append(same_bits(where, same_training(args.platform, out, generations=generations)))
     print(lines[-1], flush=True)
     if not args.quick:
         env = {**os.environ, "JAX_PLATFORMS": args.platform}
@@ -783,12 +788,16 @@ def main(args: Args) -> int:
     print(tables[0], flush=True)
     configurations = QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS
     least = 0.2 if args.quick else 1.5
+    generations = 4 if args.quick else SAME_GENERATIONS
 
     def full_rank() -> list[str]:
         line = f"(d) skipped: {clock.left():.0f} s of the budget left"
         if clock.left() >= 30:
-            digests = same_training(args.platform, out, ["--rank", "0"], kernels=False)
-            where = f"--rank 0 (full rank): 20 generations on {args.platform} and on the CPU"
+            full = ["--rank", "0"]
+            digests = same_training(args.platform, out, full, False, generations)
+            where = (
+                f"--rank 0 (full rank): {generations} generations on {args.platform} and the CPU"
+            )
             line = same_bits(f"(d) {where}", digests)
         print(line, flush=True)
         return [line]

@@ -22,7 +22,7 @@ spec.loader.exec_module(gpu_check)
 
 
 def test_the_same_training_on_two_platforms_is_compared_by_its_checkpoints(tmp_path):
-    device, device_xla, reference = gpu_check.same_training("cpu", tmp_path)
+    device, device_xla, reference = gpu_check.same_training("cpu", tmp_path, generations=4)
     assert device == device_xla == reference and len(device) == 16
     assert {p.name for p in tmp_path.glob("runs-*")} == {
         "runs-device",
