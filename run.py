@@ -99,7 +99,8 @@ FAST_FITNESS = ("fast_fitness", ((True, "sign"), (False, "normalised")))
 @dataclass(frozen=True)
 class ModelFlags:
     model: Annotated[str, *flag(training=True, choices=entries("MODELS"), before="egg")] = "egg"
-    """the model (MODELS): egg, nano-egg's minGRU"""
+    """the model (MODELS): egg, nano-egg's minGRU; mingru, its gates from the input alone;
+    transformer, egg.c's"""
     n_layer: Annotated[int, *flag("[1, inf)", training=True)] = 6
     """number of blocks"""
     n_embd: Annotated[int, *flag("[1, inf)", training=True)] = 256
@@ -229,6 +230,20 @@ class Config(NamedTuple):
     noise_per_segment: bool  # each segment's noise built where used, twice (noise_sources): a GPU's
 
 
+def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
+    """(count, bytes) of a member's segments in order: the first S - T % S segments take T // S
+    bytes, the last T % S one more (S = --segments, at most T = --tokens_per_update)."""
+    length, longer = divmod(cfg.tokens, cfg.segments)
+    runs = ((cfg.segments - longer, length), (longer, length + 1))
+    return tuple((count, n) for count, n in runs if count)
+
+
+def window_length(cfg: Config) -> int:
+    """The bytes a window model reads at once: a segment's, as a member reads with one
+    perturbation in training."""
+    return max(length for _, length in segment_lengths(cfg))
+
+
 # ------------------------------------------------------------------------------------------------
 # Formats. Every fixed-point format and integer range is named once here; "q" is the stored integer.
 
@@ -326,6 +341,15 @@ def divide_to_int8(acc, divisor: float):
     return clip_int8((z * mult) >> (MUL_BITS + guard))
 
 
+def log2_of_sum(s, tables: Tables):
+    """log2(s / 2**EXP_FRAC) at LL_FRAC, for a sum s in [2**EXP_FRAC, 2**31) of terms
+    2**(-d/16) at EXP_FRAC (int32): e + log2(1 + m), e its top bit (count leading zeros) and m the
+    next MANT_BITS bits, read from a table."""
+    exponent = 31 - jax.lax.clz(s)  # in [20, 30]
+    mantissa = (s >> (exponent - MANT_BITS)) - (1 << MANT_BITS)
+    return ((exponent - EXP_FRAC) << LL_FRAC) + jnp.asarray(tables.log2_mant)[mantissa]
+
+
 def log2_likelihood(logits, target, tables: Tables):
     """log2 softmax(logits)[target] at LL_FRAC, integers only. logits (..., 256) int8 at LOGIT_FRAC;
     target (...) of bytes.
@@ -337,10 +361,9 @@ def log2_likelihood(logits, target, tables: Tables):
     top = jnp.max(logits, axis=-1, keepdims=True).astype(i32)  # on int8: a quarter of the bytes
     logits = logits.astype(i32)
     d = top - logits
-    s = jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4), axis=-1)
-    exponent = 31 - jax.lax.clz(s)  # in [20, 28]
-    mantissa = (s >> (exponent - MANT_BITS)) - (1 << MANT_BITS)
-    log2_s = ((exponent - EXP_FRAC) << LL_FRAC) + jnp.asarray(tables.log2_mant)[mantissa]
+    log2_s = log2_of_sum(
+        jnp.sum(jnp.asarray(tables.exp2_frac)[d & 15] >> (d >> 4), axis=-1), tables
+    )
     target = jnp.broadcast_to(jnp.asarray(target, i32), logits.shape[:-1])
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)
     return ((picked - top)[..., 0] << (LL_FRAC - LOGIT_FRAC)) - log2_s
@@ -613,7 +636,7 @@ def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = ""
     kernel takes the shapes, else by XLA."""
     if x.ndim > 4:  # the leading axes as repeats
         rows = (-1,) + x.shape[-3:]
-        joined = None if residual is None else residual.reshape(rows[:-1] + (-1,))
+        joined = None if residual is None else residual.reshape((-1,) + residual.shape[-3:])
         outs = products(w, x.reshape(rows), names, layer, gain, joined)
         return [o.reshape(x.shape[:-1] + o.shape[-1:]) for o in outs]
     repeats, distinct, sides, n = x.shape
@@ -662,10 +685,13 @@ class Model(NamedTuple):
     (R, D, S) = layout; end(carried, cfg) -> the states (M, ...)
     step(w, carried, byte_RxDxS, cfg) -> (logits_RxDxSxV int8 at LOGIT_FRAC, carried, activations)
     window(w, bytes_TxRxDxS, cfg) -> (logits_TxRxDxSxV, activations), each byte's from those before
+    in its window (T at most window_length's; read_windows cuts longer reads), activations (T, [L,]
+    R, D, S, width)
     groups: the matrices each call of products() multiplies one input by (the kernel stacks them)
     bounds(cfg) -> {accumulator: (its worst case, what would shrink it)}, products' included
     traffic(cfg) -> activation bytes a member reads and writes a byte, at least (bench.py's floor)
     flags: its own flags (a frozen flags dataclass beside it), or None
+    check(cfg) -> why the model refuses this configuration, in a line naming the flag; "" if not
     The activations are {name: int8 array}, a layer's stacked on a leading L axis."""
 
     parameters: Callable[[Config], dict[str, Parameter]]
@@ -678,6 +704,7 @@ class Model(NamedTuple):
     bounds: Callable[[Config], dict[str, tuple[int, str]]]
     traffic: Callable[[Config], int]
     flags: type | None = None
+    check: Callable[[Config], str] | None = None  # a refusal of this configuration, or ""
 
 
 def layer_carry(states_L, cfg: Config):
@@ -773,10 +800,10 @@ def egg_gru(x, h, layer, w: Perturbed, cfg: Config):
     return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
 
 
-def egg_block(x, h, layer, w: Perturbed, cfg: Config):
+def egg_block(x, h, layer, w: Perturbed, cfg: Config, gru=egg_gru):
     """One block of every member: its GRU, then an MLP (n -> 4n -> n, no nonlinearity, as
     upstream's) joining the residual stream; the new stream, state and activations."""
-    x, h, seen = egg_gru(x, h, layer, w, cfg)
+    x, h, seen = gru(x, h, layer, w, cfg)
     (hidden,) = products(w, x, ("W1",), layer, gain="ln2")
     (x,) = products(w, hidden, ("W2",), layer, residual=x)
     return x, h, {**seen, "mlp_hidden": hidden, "residual": x}
@@ -807,6 +834,188 @@ def egg_traffic(cfg: Config) -> int:
 
 EGG_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # by their input
 
+
+# The minGRU as its paper defines it (Feng et al., "Were RNNs All We Needed?", as gruboros trains
+# it): gate and candidate read the input alone, so the recurrence is elementwise. Otherwise EGG's
+# block (its layer norms, MLP and joins): the two differ in what the gates read and nothing else.
+# Its products run byte by byte, as EGG's: computed over a window at once they ran at XXXx
+# the speed on this project's CPU (docs/results.org, "The seeds' other models").
+
+
+def mingru_parameters(cfg: Config) -> dict[str, Parameter]:
+    """EGG's without Uf and Uh."""
+    return {k: p for k, p in egg_parameters(cfg).items() if k not in ("Uf", "Uh")}
+
+
+def mingru_gru(x, h, layer, w: Perturbed, cfg: Config):
+    """egg_gru with gate and candidate from the input alone: f = Wf x + bf, c = Wh x + bh, clipped
+    to int8 (hard sigmoid and tanh); h moves toward c by (f + 127) / 256 of the way."""
+    wf, wh = products(w, x, ("Wf", "Wh"), layer, gain="ln1")
+    g = clipped_add(wf, w.params["bf"][layer]).astype(i32) + INT8_MAX
+    c = clipped_add(wh, w.params["bh"][layer]).astype(i32)
+    h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
+    gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
+    return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
+
+
+def mingru_traffic(cfg: Config) -> int:
+    """EGG's less the state-reading products' inputs and outputs: 18 n a layer."""
+    return 18 * cfg.n_embd * cfg.n_layer + 2 * cfg.n_embd + 2 * VOCAB
+
+
+# A transformer as egg.c and d-eggs train one, integer only: each block causal self-attention over
+# the member's window (the bytes it reads with one perturbation; the bytes since the last document
+# separator), then an MLP with a ReLU, each after its layer norm and joining the residual stream.
+# Positions are learned: a second embedding with a row for each place in the window, one lookup
+# perturbed as the bytes' (rotary positions would rotate q and k by a sine table in every head
+# and layer). The output layer is its own (tied to the embedding, EGG's was 0.13 bits/byte behind
+# at 32D-1L: docs/results.org). Attention's softmax is the log-likelihood's: scores are int8
+# log2-units at LOGIT_FRAC, their sum of powers of two is read by the same tables, and each
+# probability 2**(score - top - log2 sum) is read back from exp2_frac: no float, no division.
+# Nothing is carried from one window to the next.
+
+PROB_FRAC = 7  # attention's probabilities: real = q / 2**7, q in [0, 127]
+SCORE_FRAC = 16  # a head's score multiplier: real = q / 2**16
+
+
+@dataclass(frozen=True)
+class TransformerFlags:
+    """the transformer's own flags (--model transformer)"""
+
+    head_width: Annotated[int, *flag("[1, inf)", training=True)] = 16
+    """width of each attention head (divides --n_embd)"""
+
+
+def transformer_parameters(cfg: Config) -> dict[str, Parameter]:
+    """Byte and place embeddings, n_layer blocks (ln1, the attention's Wq Wk Wv Wo, ln2, the MLP's
+    W1 W2), the output layer norm and the head; started as EGG's are."""
+    n = cfg.n_embd
+    square, gain = Parameter((n, n), True, True, None), Parameter((n,), True, False, GAIN_ONE)
+    return {
+        "emb": Parameter((VOCAB, n), False, True, None),
+        "pos": Parameter((window_length(cfg), n), False, True, None),
+        "ln1": gain,
+        "Wq": square,
+        "Wk": square,
+        "Wv": square,
+        "Wo": square,
+        "ln2": gain,
+        "W1": Parameter((4 * n, n), True, True, None),
+        "W2": Parameter((n, 4 * n), True, True, None),
+        "ln_out": gain._replace(layered=False),
+        "head": Parameter((VOCAB, n), False, True, None),
+    }
+
+
+def score_multiplier(width: int) -> int:
+    """q k^T of a head `width` wide (q, k at WEIGHT_FRAC) as a score at LOGIT_FRAC, log2-units:
+    scaled by 1 / sqrt(width), then by log2(e) (a softmax's e**x is 2**(x log2 e)), at SCORE_FRAC.
+    A constant of the configuration, made on the host as the tables are."""
+    real = 2**LOGIT_FRAC * math.log2(math.e) / (2 ** (2 * WEIGHT_FRAC) * math.sqrt(width))
+    return round(real * 2**SCORE_FRAC)
+
+
+def attention_weights(scores, allowed, tables: Tables):
+    """Each row's softmax over its last axis where allowed, as int8 at PROB_FRAC (0 elsewhere):
+    scores int8 at LOGIT_FRAC. With d = top - score in [0, 254] (top: the row's largest allowed)
+    and l = log2 of the sum of 2**(-d/16) (log2_of_sum, >= 0), p = 2**(-(d + l)/16) read from
+    exp2_frac, floored to PROB_FRAC bits (the top's at most 2**PROB_FRAC, clipped to 127)."""
+    s = jnp.where(allowed, scores.astype(i32), -INT8_MAX)
+    d = jnp.max(s, axis=-1, keepdims=True) - s
+    exp2_frac = jnp.asarray(tables.exp2_frac)
+    terms = jnp.where(allowed, exp2_frac[d & 15] >> (d >> 4), 0)
+    log2_s = log2_of_sum(jnp.sum(terms, axis=-1, keepdims=True), tables)
+    sixteenths = d + ((log2_s + (1 << (LL_FRAC - LOGIT_FRAC - 1))) >> (LL_FRAC - LOGIT_FRAC))
+    shift = jnp.minimum((sixteenths >> LOGIT_FRAC) + EXP_FRAC - PROB_FRAC, 31)
+    p = jnp.minimum(exp2_frac[sixteenths & 15] >> shift, INT8_MAX)
+    return jnp.where(allowed, p, 0).astype(jnp.int8)
+
+
+def attention(q, k, v, documents, w: Perturbed, cfg: Config):
+    """Causal attention of every member over its window: q, k, v (T, R, D, S, n) int8 at
+    WEIGHT_FRAC, documents (T, R, D, S) each byte's document (a count of separators); a byte reads
+    itself and the bytes before it in its document. Returns (T, R, D, S, n) int8: each head's
+    sum p v at PROB_FRAC, floored back to v's scale."""
+    width = cfg.model_flags.head_width
+
+    def heads(x):  # (T, R, D, S, H, width)
+        return x.reshape(x.shape[:-1] + (-1, width))
+
+    # each product at least DOT_DEPTH deep: zeros added to what it sums over
+    q_, k_ = (deepened(heads(x), -1, DOT_DEPTH) for x in (q, k))
+    qk = jnp.einsum("trdshc,urdshc->rdshtu", q_, k_, preferred_element_type=i32)
+    scores = clip_int8((qk * score_multiplier(width)) >> SCORE_FRAC)
+    places = jnp.arange(q.shape[0])
+    same = jnp.moveaxis(documents, 0, -1)  # (R, D, S, T)
+    allowed = (places[:, None] >= places[None, :]) & (same[..., :, None] == same[..., None, :])
+    p = attention_weights(scores, allowed[..., None, :, :], w.tables)  # (R, D, S, H, T, U)
+    p, values = deepened(p, -1, DOT_DEPTH), deepened(heads(v), 0, DOT_DEPTH)
+    out = jnp.einsum("rdshtu,urdshc->trdshc", p, values, preferred_element_type=i32)
+    return clip_int8(out >> PROB_FRAC).reshape(q.shape)
+
+
+def transformer_block(x, documents, layer, w: Perturbed, cfg: Config):
+    """One block of every member: attention, then an MLP (n -> 4n -> n, a ReLU between), each
+    after its layer norm and joining the residual stream; the new stream and activations."""
+    q, k, v = products(w, x, ("Wq", "Wk", "Wv"), layer, gain="ln1")
+    attended = attention(q, k, v, documents, w, cfg)
+    (x,) = products(w, attended, ("Wo",), layer, residual=x)
+    (hidden,) = products(w, x, ("W1",), layer, gain="ln2")
+    hidden = jnp.maximum(hidden, 0)
+    (x,) = products(w, hidden, ("W2",), layer, residual=x)
+    return x, {"attended": attended, "mlp_hidden": hidden, "residual": x}
+
+
+def transformer_window(w: Perturbed, bytes_TxRxDxS, cfg: Config):
+    """A window's logits (T, R, D, S, 256) and activations (T, [L,] R, D, S, width)."""
+    places = jnp.broadcast_to(
+        jnp.arange(bytes_TxRxDxS.shape[0]).reshape(-1, 1, 1, 1), bytes_TxRxDxS.shape
+    )
+    x = clipped_add(embed(w, "emb", bytes_TxRxDxS), embed(w, "pos", places))
+    documents = jnp.cumsum(bytes_TxRxDxS == 0, axis=0)
+
+    def layer(x, _, at):
+        x, seen = transformer_block(x, documents, at, w, cfg)
+        return x, _, seen
+
+    unused = layer_carry(jnp.zeros((cfg.n_layer, 0), jnp.int8), cfg)
+    embedding, (x, _, seen) = x, each_layer(layer, x, unused, cfg)
+    (logits,) = products(w, x, ("head",), gain="ln_out")
+    seen = {k: jnp.moveaxis(a, 0, 1) for k, a in seen.items()}  # each (T, L, R, D, S, width)
+    return logits, {"embedding": embedding, **seen, "logits": logits}
+
+
+def transformer_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
+    """Its products' (the widest input: 4 n), a head's scores, attention's sum and its p v."""
+    width, window = cfg.model_flags.head_width, window_length(cfg)
+    shorter = "fewer bytes a window (--tokens_per_update, --segments)"
+    return {
+        **product_bounds(4 * cfg.n_embd, cfg.rank),
+        "a head's score q k^T times its multiplier": (
+            width * INT8_MAX**2 * score_multiplier(width),
+            "a smaller --head_width",
+        ),
+        "attention's sum of 2**(-d/16)": (window * 2**EXP_FRAC, shorter),
+        "attention's sum p v": (window * INT8_MAX**2, shorter),
+    }
+
+
+def transformer_traffic(cfg: Config) -> int:
+    """Every product's int8 input and output and the residual stream, 18 n a layer, with each
+    head's scores and probabilities, 4 H W (W the window); 2 n + 2 x 256 around them."""
+    heads = cfg.n_embd // cfg.model_flags.head_width
+    layer = 18 * cfg.n_embd + 4 * heads * window_length(cfg)
+    return layer * cfg.n_layer + 2 * cfg.n_embd + 2 * VOCAB
+
+
+def transformer_check(cfg: Config) -> str:
+    """--head_width divides --n_embd."""
+    width = cfg.model_flags.head_width
+    if cfg.n_embd % width:
+        return f"--head_width {width} does not divide --n_embd {cfg.n_embd}"
+    return ""
+
+
 MODELS = {
     "egg": Model(
         egg_parameters,
@@ -818,6 +1027,30 @@ MODELS = {
         groups=EGG_GROUPS,
         bounds=egg_bounds,
         traffic=egg_traffic,
+    ),
+    "mingru": Model(
+        mingru_parameters,
+        egg_state,
+        egg_begin,
+        egg_end,
+        step=partial(egg_step, block=partial(egg_block, gru=mingru_gru)),
+        window=None,
+        groups=(("Wf", "Wh"), ("W1",), ("W2",), ("head",)),
+        bounds=egg_bounds,
+        traffic=mingru_traffic,
+    ),
+    "transformer": Model(
+        transformer_parameters,
+        lambda cfg: (0,),  # nothing carried
+        None,
+        None,
+        step=None,
+        window=transformer_window,
+        groups=(("Wq", "Wk", "Wv"), ("Wo",), ("W1",), ("W2",), ("head",)),
+        bounds=transformer_bounds,
+        traffic=transformer_traffic,
+        flags=TransformerFlags,
+        check=transformer_check,
     ),
 }
 
@@ -881,6 +1114,27 @@ def perturbed(params, noise, sides: Sides, cfg: Config) -> Perturbed:
     return Perturbed(weights, matrix_noise, sides, tables, operands, interpret, shift, cfg.replicas)
 
 
+def read_windows(w: Perturbed, bytes_TxRxDxS, cfg: Config):
+    """A window model's logits (T, R, D, S, 256) and activations over T bytes, read a window at a
+    time (window_length's bytes, the last padded): the windows become more repeats of each pair."""
+    window, model = window_length(cfg), MODELS[cfg.model]
+    length, repeats = bytes_TxRxDxS.shape[:2]
+    count = -(-length // window)
+    if count == 1:
+        return model.window(w, bytes_TxRxDxS, cfg)
+    padded = jnp.pad(bytes_TxRxDxS, ((0, count * window - length),) + ((0, 0),) * 3)
+    split = padded.reshape((count, window) + padded.shape[1:])  # (C, W, R, D, S)
+    folded = jnp.swapaxes(split, 0, 1).reshape((window, count * repeats) + padded.shape[2:])
+
+    def unfold(x):  # (W, [L,] C R, D, S, ...) -> (T, [L,] R, D, S, ...)
+        at = x.ndim - 4 if x.ndim > 5 else 1  # the repeats' axis
+        x = x.reshape(x.shape[:at] + (count, repeats) + x.shape[at + 1 :])
+        x = jnp.moveaxis(x, at, 0)
+        return x.reshape((count * window,) + x.shape[2:])[:length]
+
+    return jax.tree.map(unfold, model.window(w, folded, cfg))
+
+
 def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg: Config):
     """One replica's M members reading T bytes: their fitness_M int32 (the log2-likelihood sums at
     LL_FRAC) and their states after the last byte (M, ...). The one forward of training (with
@@ -897,7 +1151,7 @@ def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg
     inputs, targets = (x.T.reshape((-1,) + layout) for x in (inputs_MxT, targets_MxT))
     states = states_MxS  # a window model carries none
     if model.window is not None:
-        logits, _ = model.window(w, inputs, cfg)
+        logits, _ = read_windows(w, inputs, cfg)
         ll_TxRxDxS = log2_likelihood(logits, targets, w.tables)
     else:
 
@@ -975,14 +1229,6 @@ def words_to_noise(cfg: Config, words):
         noise[name] = noise.get(name, ()) + (values,)
         offset += size
     return {name: parts if len(parts) == 2 else parts[0] for name, parts in noise.items()}
-
-
-def segment_lengths(cfg: Config) -> tuple[tuple[int, int], ...]:
-    """(count, bytes) of a member's segments in order: the first S - T % S segments take T // S
-    bytes, the last T % S one more (S = --segments, at most T = --tokens_per_update)."""
-    length, longer = divmod(cfg.tokens, cfg.segments)
-    runs = ((cfg.segments - longer, length), (longer, length + 1))
-    return tuple((count, n) for count, n in runs if count)
 
 
 def noise_pairs(cfg: Config) -> int:
@@ -1593,7 +1839,11 @@ def check_args(args: Args) -> None:
     """Refuse a bad configuration in one line naming the flag, before anything is compiled: every
     flag's range and choices and every replica's settings (egg/command.py), then the bounds."""
     command.check_flags(args, replicas_of)
-    check_bounds(make_config(args))
+    cfg = make_config(args)
+    refusal = MODELS[cfg.model].check and MODELS[cfg.model].check(cfg)
+    if refusal:
+        raise UserError(refusal)
+    check_bounds(cfg)
 
 
 def check_z_test(cfg: Config, replicas: list[Replica]) -> None:
@@ -1753,7 +2003,13 @@ def on_population(local, mesh: jax.sharding.Mesh, cfg: Config):
         out_specs=(REPLICATED, REPLICATED, SPREAD, SPREAD, REPLICATED),
         check_vma=False,
     )
-    return jax.jit(step, donate_argnums=(0, 1, 2), compiler_options=compiler_options(cfg))
+    # the outputs' shardings stated: XLA would leave a model's states without entries (a window
+    # model's, (K, P, 0)) whole on every device, and the next generation would refuse them
+    shardings = [jax.sharding.NamedSharding(mesh, s) for s in (REPLICATED, SPREAD)]
+    spread = tuple(shardings[i] for i in (0, 0, 1, 1, 0))
+    return jax.jit(
+        step, donate_argnums=(0, 1, 2), out_shardings=spread, compiler_options=compiler_options(cfg)
+    )
 
 
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
@@ -1902,12 +2158,6 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
 # model reads the window of bytes before each (as long as a member's in training, at most).
 
 
-def window_length(cfg: Config) -> int:
-    """The bytes a window model reads at once: a segment's, as a member reads with one
-    perturbation in training."""
-    return max(length for _, length in segment_lengths(cfg))
-
-
 def one_model(params, cfg: Config, rows: int) -> tuple[Perturbed, Any]:
     """One model's Perturbed, noise-free, for `rows` read side by side, and their zero states as
     its byte loop carries them (laid out (1, rows, 1): R = S = 1)."""
@@ -1963,7 +2213,7 @@ def make_activations(cfg: Config):
     def read_rows(params, rows):
         w, carried = one_model(params, cfg, rows.shape[0])
         if model.window is not None:
-            seen = model.window(w, rows.T.reshape(rows.shape[1], 1, -1, 1), cfg)[1]
+            seen = read_windows(w, rows.T.reshape(rows.shape[1], 1, -1, 1), cfg)[1]
         else:
 
             def read(carried, tok_R):

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 BLOCK = ("ln1", "Wf", "Uf", "bf", "Wh", "Uh", "bh", "ln2", "W1", "W2")
+ATTENTION_BLOCK = ("ln1", "Wq", "Wk", "Wv", "Wo", "ln2", "W1", "W2")
 
 
 def clip8(v):
@@ -100,12 +101,8 @@ def log2_softmax(logits, target: int) -> int:
     return ((logits[target] - top) << 4) - log2_s
 
 
-def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_shift: int = 0):
-    """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
-    {name: (A, B) or full array} (block entries with a leading layer axis), or None. The MLP has no
-    nonlinearity, as upstream's. A block's state and MLP output join the residual stream halved
-    residual_shift times, each quotient rounded half away from zero."""
-    h = np.zeros_like(h) if tok == 0 else np.asarray(h, np.int64).copy()
+def pair_noise(noise):
+    """nz(name, layer=None): one pair's noise of a parameter (of one layer), or None."""
 
     def nz(name, layer=None):
         if noise is None:
@@ -117,9 +114,20 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_sh
             tuple(np.asarray(m)[layer] for m in value) if isinstance(value, tuple) else value[layer]
         )
 
+    return nz
+
+
+def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_shift: int = 0):
+    """One byte: (logits (256,), new states (L, n)). h restarts at 0 on byte 0. noise is one pair's
+    {name: (A, B) or full array} (block entries with a leading layer axis), or None. The MLP has no
+    nonlinearity, as upstream's. A block's state and MLP output join the residual stream halved
+    residual_shift times, each quotient rounded half away from zero. Without Uf and Uh in params
+    (the minGRU of "Were RNNs All We Needed?"), the gate and candidate read the input alone."""
+    h = np.zeros_like(h) if tok == 0 else np.asarray(h, np.int64).copy()
+    nz = pair_noise(noise)
     x = embed(params["emb"], tok, nz("emb"), sign, sigma_shift)
     for layer in range(len(h)):
-        p = {name: np.asarray(params[name])[layer] for name in BLOCK}
+        p = {name: np.asarray(params[name])[layer] for name in BLOCK if name in params}
 
         def vec(name, layer=layer, p=p):
             return perturbed_vector(p[name], nz(name, layer), sign, sigma_shift)
@@ -130,9 +138,13 @@ def forward(params, noise, sign: int, h, tok: int, sigma_shift: int, residual_sh
         state = h[layer]
         a = layer_norm(x, vec("ln1"))
         # the fraction g / 256 in [0, 254]
-        g = clip8(mm(a, "Wf") + mm(state, "Uf") + vec("bf")) + 127
-        gated = (g * state) >> 8
-        c = clip8(mm(a, "Wh") + mm(gated, "Uh") + vec("bh"))
+        if "Uf" in p:
+            g = clip8(mm(a, "Wf") + mm(state, "Uf") + vec("bf")) + 127
+            gated = (g * state) >> 8
+            c = clip8(mm(a, "Wh") + mm(gated, "Uh") + vec("bh"))
+        else:
+            g = clip8(mm(a, "Wf") + vec("bf")) + 127
+            c = clip8(mm(a, "Wh") + vec("bh"))
         new = state + ((g * (c - state)) >> 8)
         assert np.all(np.abs(new) <= 127)  # between the old state and the candidate
         h[layer] = new
@@ -154,3 +166,102 @@ def member_fitness(
         every.append(logits)
         total += log2_softmax(logits, int(target))
     return total, h, np.array(every)
+
+
+def exp2_sixteenths(d: int) -> int:
+    """round(2**(20 - (d % 16) / 16)) >> (d // 16): 2**(-d / 16) at q / 2**20."""
+    return round(2 ** (20 - (d % 16) / 16)) >> min(d // 16, 31)
+
+
+def log2_of_sum(s: int) -> int:
+    """log2(s / 2**20) at q / 256: s's top bit and a 1024-entry mantissa table."""
+    e = s.bit_length() - 1
+    mantissa = (s >> (e - 10)) - 1024
+    return ((e - 20) << 8) + round(math.log2(1 + (mantissa + 0.5) / 1024) * 256)
+
+
+def head_attention(q, k, v, allowed, width: int):
+    """One head of one byte: q (width,), k and v (U, width) of the bytes before it and itself,
+    allowed (U,) those of its document. Score = floor(q k * m / 2**16) clipped to int8, m =
+    round(2**16 * 16 log2(e) / (256 sqrt(width))): log2-units at q / 16; p = 2**(-(top - score +
+    log2 sum) / 16) at q / 2**7 (the log2 rounded to sixteenths), at most 127; floor(sum p v /
+    2**7)."""
+    m = round(2**16 * 16 * math.log2(math.e) / (256 * math.sqrt(width)))
+    scores = [int(clip8((int(np.dot(q, k[u])) * m) >> 16)) for u in range(len(k))]
+    top = max(s for s, a in zip(scores, allowed, strict=True) if a)
+    s = sum(exp2_sixteenths(top - c) for c, a in zip(scores, allowed, strict=True) if a)
+    log2_s = log2_of_sum(s)
+    out = np.zeros(width, np.int64)
+    for u, (score, a) in enumerate(zip(scores, allowed, strict=True)):
+        if a:
+            sixteenths = top - score + ((log2_s + 8) >> 4)
+            p = min(
+                round(2 ** (20 - (sixteenths % 16) / 16)) >> min(sixteenths // 16 + 13, 31), 127
+            )
+            out += p * np.asarray(v[u], np.int64)
+    return clip8(out >> 7)
+
+
+def transformer_window(params, noise, sign, toks, sigma_shift, residual_shift, width):
+    """One member's logits (T, 256) for one window of bytes: byte and place embeddings; per block
+    causal attention within each document (a byte 0 starts one) joined through Wo, then an MLP
+    with a ReLU; the output layer norm and the head."""
+    nz = pair_noise(noise)
+    documents = np.cumsum([int(t) == 0 for t in toks])
+    xs = [
+        clip8(
+            embed(params["emb"], int(tok), nz("emb"), sign, sigma_shift)
+            + embed(params["pos"], place, nz("pos"), sign, sigma_shift)
+        )
+        for place, tok in enumerate(toks)
+    ]
+    layers = np.asarray(params["Wq"]).shape[0]
+    for layer in range(layers):
+        p = {name: np.asarray(params[name])[layer] for name in ATTENTION_BLOCK}
+
+        def vec(name, layer=layer, p=p):
+            return perturbed_vector(p[name], nz(name, layer), sign, sigma_shift)
+
+        def mm(v, name, layer=layer, p=p):
+            return matmul(v, p[name], nz(name, layer), sign, sigma_shift)
+
+        a = [layer_norm(x, vec("ln1")) for x in xs]
+        q, k, v = ([mm(x, name) for x in a] for name in ("Wq", "Wk", "Wv"))
+        joined = []
+        for t, x in enumerate(xs):
+            allowed = [documents[u] == documents[t] for u in range(t + 1)]
+            heads = [
+                head_attention(
+                    q[t][i : i + width],
+                    [row[i : i + width] for row in k[: t + 1]],
+                    [row[i : i + width] for row in v[: t + 1]],
+                    allowed,
+                    width,
+                )
+                for i in range(0, len(x), width)
+            ]
+            x = clip8(x + round_half_away(mm(np.concatenate(heads), "Wo"), residual_shift))
+            hidden = np.maximum(mm(layer_norm(x, vec("ln2")), "W1"), 0)
+            joined.append(clip8(x + round_half_away(mm(hidden, "W2"), residual_shift)))
+        xs = joined
+    gain = perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift)
+    return np.array(
+        [matmul(layer_norm(x, gain), params["head"], nz("head"), sign, sigma_shift) for x in xs]
+    )
+
+
+def transformer_fitness(
+    params, noise, sign, inputs, targets, sigma_shift, residual_shift, width, window
+):
+    """One member over its bytes read a window at a time: (sum of log2 p(target) at q / 256,
+    logits per byte)."""
+    every = np.concatenate(
+        [
+            transformer_window(
+                params, noise, sign, inputs[i : i + window], sigma_shift, residual_shift, width
+            )
+            for i in range(0, len(inputs), window)
+        ]
+    )
+    total = sum(log2_softmax(logits, int(t)) for logits, t in zip(every, targets, strict=True))
+    return total, every

@@ -263,8 +263,10 @@ def test_a_choice_outside_its_table_is_refused_naming_the_entries():
     """--model, --shaping and --optimizer take an entry of MODELS, SHAPINGS and RULES, listed in
     --help and in the refusal; a variant tried and not adopted is refused naming the last commit
     that has it."""
-    with pytest.raises(run.UserError, match="--model must be one of egg, got transformer"):
-        run.check_args(run.parse_args(["--model", "transformer"]))
+    with pytest.raises(
+        run.UserError, match="--model must be one of egg, mingru, transformer, got gpt"
+    ):
+        run.check_args(run.parse_args(["--model", "gpt"]))
     with pytest.raises(run.UserError, match="--shaping must be one of sign, normalised, got rank"):
         run.check_args(run.parse_args(["--shaping", "rank"]))
     with pytest.raises(run.UserError, match="--optimizer must be one of ztest, momentum, got sgd"):

@@ -90,6 +90,59 @@ def test_population_fitness_equals_the_reference_for_every_member(
     assert len(set(fitness.tolist())) == cfg.population  # every member saw a different model
 
 
+@pytest.mark.parametrize(
+    "model, model_flags, rank, residual_shift",
+    [("mingru", {}, 2, 1), ("transformer", {"head_width": 4}, 1, 0), ("transformer", {}, 0, 2)],
+)
+def test_the_other_models_fitness_equals_the_reference_for_every_member(
+    model, model_flags, rank, residual_shift
+):
+    """The minGRU whose gates read the input alone, and the transformer reading 11 bytes in
+    windows of 6 (its validation's cut, as 'read_windows' makes it; a separator inside one)."""
+    args = flags.replace(
+        run.Args(),
+        model=model,
+        n_embd=16,
+        n_layer=2,
+        parallel_generations_per_gpu=8,
+        group_size=2,
+        tokens_per_update=6,
+        segments=1,
+        rank=rank,
+        sigma_shift=2,
+        residual_shift=residual_shift,
+        **model_flags,
+    )
+    cfg = run.make_config(args)
+    rng = np.random.default_rng(rank + 7)
+    params = random_params(cfg, rng)
+    members, length = cfg.population, 11 if model == "transformer" else 6
+    states = np.zeros((members,) + run.MODELS[model].state(cfg), np.int8)
+    if model == "mingru":
+        states = rng.integers(-127, 128, states.shape).astype(np.int8)
+    tokens = rng.integers(0, 256, (members, length + 1)).astype(np.uint8)
+    tokens[:, 3] = 0
+    noise = run.generation_noise(cfg, args.seed, jnp.int32(5))
+    fitness, final = fitness_of_one_model(
+        params, noise, states, tokens[:, :-1], tokens[:, 1:], args.sigma_shift, cfg
+    )
+    width = cfg.model_flags.head_width if cfg.model_flags else 0
+    for member in range(members):
+        sign, noise_of = 1 - 2 * (member % 2), pair(noise, member // 2)
+        inputs, targets = tokens[member, :-1], tokens[member, 1:]
+        if model == "transformer":
+            want, _ = reference.transformer_fitness(
+                params, noise_of, sign, inputs, targets, 2, residual_shift, width, 6
+            )
+        else:
+            want, h, _ = reference.member_fitness(
+                params, noise_of, sign, states[member], inputs, targets, 2, residual_shift
+            )
+            np.testing.assert_array_equal(final[member], h, err_msg=str(member))
+        assert int(fitness[member]) == want, member
+    assert len(set(fitness.tolist())) == members  # every member saw a different model
+
+
 def test_noise_free_logits_equal_the_reference_byte_by_byte():
     cfg = run.make_config(
         flags.replace(
