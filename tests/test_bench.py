@@ -57,7 +57,13 @@ def integer_only(text: str) -> None:
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--algorithm", "upstream"], ["--replicas", "2", "--replica_sigma_shift", "3", "5"]],
+    [
+        [],
+        ["--algorithm", "upstream"],
+        ["--replicas", "2", "--replica_sigma_shift", "3", "5"],
+        ["--model", "mingru"],
+        ["--model", "transformer", "--head_width", "8"],
+    ],
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
     args = tiny_args(*SMALL, "--segments", "6", *flags)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, TINY, checkpoint_digest
 
 from egg import supervisor
@@ -92,9 +93,11 @@ def records(runs):
     return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
-def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path):
-    """With --segments 2: each device evaluates its members' slice of every segment's noise."""
-    flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2"]
+@pytest.mark.parametrize("model", [[], ["--model", "transformer", "--head_width", "4"]])
+def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path, model):
+    """With --segments 2: each device evaluates its members' slice of every segment's noise; a
+    window model's states, which hold nothing, spread with the members all the same."""
+    flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2", *model]
     procs = layouts(flags, tmp_path)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert (
