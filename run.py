@@ -838,8 +838,9 @@ EGG_GROUPS = (("Wf", "Wh"), ("Uf",), ("Uh",), ("W1",), ("W2",), ("head",))  # by
 # The minGRU as its paper defines it (Feng et al., "Were RNNs All We Needed?", as gruboros trains
 # it): gate and candidate read the input alone, so the recurrence is elementwise. Otherwise EGG's
 # block (its layer norms, MLP and joins): the two differ in what the gates read and nothing else.
-# Its products run byte by byte, as EGG's: computed over a window at once they ran at XXXx
-# the speed on this project's CPU (docs/results.org, "The seeds' other models").
+# Its products run byte by byte, as EGG's, and it carries its state from window to window as EGG
+# does: computed over a window at once (scripts/mingru_window.py), they ran at 0.84-0.99x the speed
+# on this project's CPU in five configurations of six, 1.22x in one (docs/results.org).
 
 
 def mingru_parameters(cfg: Config) -> dict[str, Parameter]:

@@ -3,13 +3,17 @@ test_model_reference.py, the layouts of test_cluster.py and the H100 program of 
 each trains, saves and resumes bit for bit, a killed transformer run resumes exactly, each samples
 and shows --debug's table, and bench.py times each one's training, fitness and inference."""
 
+import importlib.util
+import sys
+
 import numpy as np
 import pytest
-from helpers import TINY, in_process
+from helpers import ROOT, TINY, in_process
 from test_bench import benchmark_args
 from test_checkpoints import checkpoint_dir, finish, kill_once_saved, start
 
 import bench
+import run
 from egg import checkpoints
 
 # the transformer's heads 4 wide: two a layer at TINY's 8D
@@ -63,3 +67,17 @@ def test_the_benchmark_times_each_models_training_fitness_and_inference(capsys, 
     assert set(rate) == {"a", "b", "c", "d"} and all(v > 0 for v in rate.values())
     out = capsys.readouterr().out
     assert all(label in out for label in ("a training", "b fitness only", "c inference"))
+
+
+def test_the_mingrus_products_over_a_window_give_the_bytes_bits(monkeypatch, capsys):
+    """scripts/mingru_window.py's variant, which measured slower in five configurations of six
+    (docs/results.org): the same fitness for every member, which the script checks before timing."""
+    spec = importlib.util.spec_from_file_location(
+        "mingru_window", ROOT / "scripts/mingru_window.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "mingru_window", script)  # for its dataclass
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(run, "MODELS", dict(run.MODELS))  # the script adds its variant
+    script.main(script.Args(n_embd=8, n_layer=2, members=8, window=7, rounds=1))
+    assert "the same fitness" in capsys.readouterr().out
