@@ -492,6 +492,8 @@ def describe_program(
     their launches where known."""
     members = cfg.population // cfg.devices * cfg.replicas
     every_byte = [k for k in kernels if loop_of(k, cfg) >= 2]
+    if run.MODELS[cfg.model].window is not None:  # no loop of bytes: the whole generation's
+        every_byte = kernels
     kinds = {}
     for k in kernels:
         kinds[k.kind] = kinds.get(k.kind, 0) + k.runs
@@ -551,10 +553,12 @@ def print_target_report(
     in_layers = (
         f"({t['per_layer']:.0f} in each layer)" if t["per_layer"] else "(the layers unrolled)"
     )
+    if run.MODELS[cfg.model].window is not None:
+        in_layers = "(a window model: every kernel of the generation, its update's too)"
     graphs = "; ".join(f"{name}: {text}" for name, text in figures["command buffers"].items())
     lines = [
         f"target: {args.target_devices} x {roofline.name}, compiled here without a device (XLA's "
-        f"GPU pipeline, untuned GEMM tiles); model {cfg.n_embd}D-{cfg.n_layer}L; population "
+        f"GPU pipeline, untuned GEMM tiles); model {run.model_name(cfg)}; population "
         f"{cfg.population}, {cfg.tokens} tokens, {cfg.segments} segment(s); compiled in "
         f"{seconds:.1f} s",
         f"temporaries: {figures['temporaries']:,.1f} MiB on each GPU",

@@ -58,7 +58,6 @@ def integer_only(text: str) -> None:
 @pytest.mark.parametrize(
     "flags",
     [
-        [],
         ["--algorithm", "upstream"],
         ["--replicas", "2", "--replica_sigma_shift", "3", "5"],
         ["--model", "mingru"],
@@ -66,8 +65,13 @@ def integer_only(text: str) -> None:
     ],
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
+    """The defaults' step: in the target report's test, which compiles it."""
     args = tiny_args(*SMALL, "--segments", "6", *flags)
     compiled, cfg, _ = compile_step(args)
+    integer_only_donated_and_bounded(compiled, args, cfg)
+
+
+def integer_only_donated_and_bounded(compiled, args, cfg):
     text = compiled.as_text()
     integer_only(text)
     assert cfg.kernels == "pallas" and hlo.TRITON in text  # the products are the kernel's
@@ -216,12 +220,14 @@ def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
 def test_target_report_gives_the_compiled_program_its_launches_and_a_modeled_speed(capsys):
     """The report of a small model's program for an H100: its figures, the product kernel's calls
     costed as they declare, and its launches as XLA's dumped thunk sequence says. Its training and
-    inference, and validation, compile for the H100 integer only."""
-    args = run.parse_args([*TINY, *SMALL, "--target", "h100"], bench.Args)
+    inference, and validation, compile for the H100 integer only; the training step with donated
+    inputs and bounded temporaries."""
+    six = ["--segments", "6", "--tokens_per_update", "24"]  # 6 segments of 4 bytes
+    args = run.parse_args([*TINY, *SMALL, *six, "--target", "h100"], bench.Args)
     figures = bench.target_report(args)
     out = capsys.readouterr().out
-    for compiled in figures["compiled"].values():
-        integer_only(compiled.as_text())
+    integer_only_donated_and_bounded(figures["compiled"]["training"], args, figures["cfg"])
+    integer_only(figures["compiled"]["inference"].as_text())
     mesh = bench.target_mesh("h100", 1)
     params = bench.abstract_inputs(args, figures["cfg"], mesh)[0]
     rows = jax.ShapeDtypeStruct(
