@@ -17,6 +17,8 @@ what it measured), each part skipped with one line where --budget has too little
     with loops recorded too (WHILE); XLA's own products with and without command buffers; then one
     generation of today's program profiled kernel by kernel (JAX's profiler) beside the model's
     time for each kernel;
+(m) each model of run.py's MODELS at (a)'s first configuration (population 32768 of 256D-6L): its
+    generation step with the product kernel and with XLA's products, timed as (c) times them;
 (d) full-rank ES (--rank 0), the same 20 generations (--quick: 4) on the GPU and the CPU: same bits;
 (e) the rest: the product kernel as compiled against the same kernel in Pallas's interpreter;
     XLA's int8 products against numpy's; the same low-rank training on the GPU (the kernel's
@@ -27,7 +29,7 @@ what it measured), each part skipped with one line where --budget has too little
     rule's choice, the same kernel without its noise, gain and residual, and XLA's int8 GEMM of the
     same shapes: what a measured tile choice would gain, and what the integer work costs.
 
-Parts run in the order --parts gives (default a c d e t), each with what the budget has left.
+Parts run in the order --parts gives (default a m c d e t), each with what the budget has left.
 
     python scripts/gpu_check.py --nano_egg NANO_EGG     # on the GPU machine, from the repository
     python scripts/gpu_check.py --platform cpu --quick  # its CPU part (what the tests run)
@@ -67,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 import side_by_side  # noqa: E402
 
-PARTS = ("a", "c", "d", "e", "t")  # (b) is part of (a)
+PARTS = ("a", "m", "c", "d", "e", "t")  # (b) is part of (a)
 TESTS = [
     "tests/test_model_reference.py",
     "tests/test_step.py",
@@ -152,7 +154,7 @@ class Args:
     nano_egg: str = ""
     """a clone of github ESHyperscale/nano-egg, for (a) ('': egg-jax's side alone)"""
     parts: tuple[str, ...] = PARTS
-    """the parts to run, in this order, of a c d e t ((b) is part of (a))"""
+    """the parts to run, in this order, of a m c d e t ((b) is part of (a))"""
     budget: float = 540.0
     """seconds for all parts: each is skipped with a line where too little is left"""
     quick: bool = False
@@ -458,6 +460,32 @@ def step_variants(
             ]
     print(*profiled, sep="\n", flush=True)
     return lines + profiled
+
+
+def models_steps(
+    config: Configuration, out: Path, clock: Clock, least: float, models=None
+) -> list[str]:
+    """(m) each model of run.py's MODELS (or those named) at this configuration: its generation
+    step with the product kernel and with XLA's products, as (c) times them (the kernel's profiled
+    kernel by kernel)."""
+    names = models or list(run_module().MODELS)
+    chosen = {name: VARIANTS[name] for name in (PROFILED, "XLA's products, graphs")}
+    return [
+        line
+        for name in names
+        for line in step_variants(
+            Configuration(
+                f"{config.name}, --model {name}",
+                (*config.flags, "--model", name),
+                config.generations,
+                config.side_seconds,
+            ),
+            out,
+            clock,
+            least,
+            chosen,
+        )
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -812,6 +840,7 @@ def main(args: Args) -> int:
     parts = {
         "a": lambda: beside_nano_egg(args, out, clock),
         "c": lambda: [line for c in configurations for line in step_variants(c, out, clock, least)],
+        "m": lambda: models_steps(configurations[0], out, clock, least),
         "d": full_rank,
         "e": rest,
         # the two larger configurations: each takes minutes on a GPU (a compile a tile)

@@ -77,6 +77,21 @@ def test_each_variant_of_the_step_is_timed_beside_the_model_and_one_generation_p
     assert list(tmp_path.glob("trace-0/**/perfetto_trace.json.gz"))
 
 
+def test_each_model_is_timed_with_the_kernels_and_with_xlas_products(tmp_path):
+    """(m) on the CPU, for the transformer: its step with the product kernel (in the interpreter)
+    and with XLA's products, each a row with its numbers."""
+    (config,) = gpu_check.QUICK_CONFIGURATIONS
+    clock = gpu_check.Clock(600)
+    lines = gpu_check.models_steps(config, tmp_path, clock, 0.05, ["transformer"])
+    assert (
+        lines[0]
+        == f"== (c) {config.name}, --model transformer: the generation step compiled 2 ways"
+    )
+    rows = {line[:36].strip(): line[36:].split() for line in lines[2:4]}
+    assert list(rows) == [gpu_check.PROFILED, "XLA's products, graphs"]
+    assert all(float(ms) > 0 for _, ms, *_ in rows.values())
+
+
 FAKE_NANO_EGG = """
 import argparse, os
 import numpy as np
