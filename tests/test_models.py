@@ -81,3 +81,13 @@ def test_the_mingrus_products_over_a_window_give_the_bytes_bits(monkeypatch, cap
     monkeypatch.setattr(run, "MODELS", dict(run.MODELS))  # the script adds its variant
     script.main(script.Args(n_embd=8, n_layer=2, members=8, window=7, rounds=1))
     assert "the same fitness" in capsys.readouterr().out
+
+
+def test_a_head_width_that_does_not_divide_the_width_is_refused_in_one_line():
+    with pytest.raises(run.UserError, match="--head_width 5 does not divide --n_embd 16"):
+        run.check_args(
+            run.parse_args([*MODELS["transformer"][:2], "--head_width", "5", "--n_embd", "16"])
+        )
+    too_long = ["--model", "transformer", "--tokens_per_update", "4000", "--segments", "1"]
+    with pytest.raises(run.UserError, match="attention's sum of 2\\*\\*\\(-d/16\\)"):
+        run.check_args(run.parse_args(too_long))
