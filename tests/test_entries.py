@@ -176,6 +176,56 @@ def recorded_matmul(monkeypatch) -> dict:
     return largest
 
 
+# the accumulators of the transformer's attention, by the names its bounds give them
+ATTENTION = {
+    "score": "a head's score q k^T times its multiplier",
+    "sum": "attention's sum of 2**(-d/16)",
+    "p v": "attention's sum p v",
+}
+
+
+def recorded_attention(monkeypatch) -> dict:
+    """run.attention with its accumulators also computed in int64 on the host, beside it: the
+    largest magnitude of a head's q k^T times its multiplier, of the sum of 2**(-d/16) and of the
+    sum p v (the probabilities recomputed in numpy from docs/design.org's description)."""
+    largest, attention = dict.fromkeys(ATTENTION, 0), run.attention
+    tables = run.make_tables(1)
+
+    def record(q, k, v, documents, width):
+        def heads(x):  # (T, R, D, S, H, width)
+            x = np.asarray(x, np.int64)
+            return x.reshape(x.shape[:-1] + (-1, width))
+
+        qk = np.einsum("trdshc,urdshc->rdshtu", heads(q), heads(k))
+        scaled = qk * run.score_multiplier(width)
+        largest["score"] = max(largest["score"], int(np.abs(scaled).max()))
+        scores = np.clip(scaled >> run.SCORE_FRAC, -127, 127)
+        places = np.arange(len(q))
+        same = np.moveaxis(np.asarray(documents), 0, -1)
+        allowed = (places[:, None] >= places) & (same[..., :, None] == same[..., None, :])
+        allowed = allowed[..., None, :, :]
+        s = np.where(allowed, scores, -127)
+        d = s.max(-1, keepdims=True) - s
+        exp2 = np.asarray(tables.exp2_frac, np.int64)
+        total = np.where(allowed, exp2[d & 15] >> (d >> 4), 0).sum(-1, keepdims=True)
+        largest["sum"] = max(largest["sum"], int(total.max()))
+        exponent = np.frexp(total.astype(np.float64))[1] - 1  # the top bit: exact below 2**53
+        mantissa = (total >> (exponent - run.MANT_BITS)) - (1 << run.MANT_BITS)
+        log2_s = ((exponent - run.EXP_FRAC) << run.LL_FRAC) + np.asarray(tables.log2_mant)[mantissa]
+        sixteenths = d + ((log2_s + 8) >> 4)
+        shift = np.minimum((sixteenths >> 4) + run.EXP_FRAC - run.PROB_FRAC, 31)
+        p = np.where(allowed, np.minimum(exp2[sixteenths & 15] >> shift, 127), 0)
+        pv = np.einsum("rdshtu,urdshc->trdshc", p, heads(v))
+        largest["p v"] = max(largest["p v"], int(np.abs(pv).max()))
+
+    def recording(q, k, v, documents, w, cfg):
+        jax.debug.callback(record, q, k, v, documents, cfg.model_flags.head_width)
+        return attention(q, k, v, documents, w, cfg)
+
+    monkeypatch.setattr(run, "attention", recording)
+    return largest
+
+
 def extreme_noise(cfg, sign: int):
     """Two pairs' noise at the tables' largest entries (B's at the largest of its own table), of
     one sign."""
@@ -195,7 +245,7 @@ def model_problems(name: str, monkeypatch) -> list[str]:
     model's declared worst case (rank 1, sigma_shift 0: the noise at its largest)."""
     cfg = config("--model", name, "--tokens_per_update", "3", parallel_generations_per_gpu=8)
     model, bounds, problems = run.MODELS[name], run.accumulator_bounds(cfg), set()
-    largest = recorded_matmul(monkeypatch)
+    largest, attended = recorded_matmul(monkeypatch), recorded_attention(monkeypatch)
     rng = np.random.default_rng(2)
     shapes = {k: run.full_shape(p, cfg) for k, p in run.parameters_of(cfg).items()}
     settings = {
@@ -232,11 +282,14 @@ def model_problems(name: str, monkeypatch) -> list[str]:
                         x = np.asarray(x)
                         if x.dtype != np.int8 or np.abs(x).max() > 127:
                             problems.add(f"activation {key} beyond [-127, 127] ({setting})")
-    print(f"{name}: largest accumulators {largest}")
-    for key, accumulator in (
+    recorded = (
         ("matmul", "matmul accumulator x W^T + sigma x E^T"),
         ("x B", "low-rank product x B"),
-    ):
+        *((key, name) for key, name in ATTENTION.items() if name in bounds),
+    )
+    largest = {**largest, **attended}
+    print(f"{name}: largest accumulators {largest}")
+    for key, accumulator in recorded:
         if not 0 < largest[key] <= bounds[accumulator][0]:
             problems.add(f"the {accumulator} reaches {largest[key]:,} ({bounds[accumulator][0]:,})")
     return sorted(problems)
