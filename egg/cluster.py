@@ -344,6 +344,30 @@ class Stopped(BaseException):
         return EXIT_STOPPED + self.signum
 
 
+EARLY: list[int] = []  # stop signals received before a StopSignal took them (early_stops)
+
+
+@contextmanager
+def early_stops():
+    """SIGINT and SIGTERM from the command line's start until a run's StopSignal takes them: each
+    raises Stopped at once (nothing is saved yet) and is recorded, so that one whose exception is
+    lost still stops the run: raised while Python runs a garbage-collection callback (JAX has
+    one), an exception is reported ("Exception ignored in ...") and dropped, and the run would go
+    on. The StopSignal entered next starts with it received."""
+
+    def handle(signum, frame):
+        EARLY.append(signum)
+        raise Stopped(signum, "before the run started: nothing saved")
+
+    EARLY.clear()
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class StopSignal:
     """SIGINT and SIGTERM, while entered: a request to stop, which the loop honours after the
     generation in flight, saving it first. Compiling, a generation, a validation or a checkpoint is
@@ -355,7 +379,8 @@ class StopSignal:
     a terminal's Ctrl-C or SLURM's signal reaches the child itself and through its supervisor."""
 
     def __init__(self, alone: bool = True):
-        self.received, self.previous, self.raising, self.alone = None, {}, False, alone
+        self.received = EARLY[-1] if EARLY else None  # one whose exception was lost (early_stops)
+        self.previous, self.raising, self.alone = {}, False, alone
         self.echoes, self.at = SUPERVISED in os.environ, 0.0
 
     def __enter__(self):

@@ -129,12 +129,13 @@ def main(
     argv = sys.argv[1:] if argv is None else argv
     given = None
     try:
-        given = parse_flags(argv)
-        hosts = group_of(given, cluster.Flags)
-        if cluster.several_processes(hosts) and not supervisor.supervised():
-            raise SystemExit(supervisor.supervise(script, argv, folders(given), hosts.proc_id))
-        with cluster.compilation_cache_watched():
-            work(given)
+        with cluster.early_stops():
+            given = parse_flags(argv)
+            hosts = group_of(given, cluster.Flags)
+            if cluster.several_processes(hosts) and not supervisor.supervised():
+                raise SystemExit(supervisor.supervise(script, argv, folders(given), hosts.proc_id))
+            with cluster.compilation_cache_watched():
+                work(given)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

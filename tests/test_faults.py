@@ -3,6 +3,7 @@ bytes that are not UTF-8, an aside (a sample, the record) failing, a population 
 and a run continued from its folder alone. Each ends in its exit code and one line, no traceback,
 and leaves every checkpoint written before it as it was."""
 
+import gc
 import hashlib
 import json
 import os
@@ -392,3 +393,25 @@ def test_a_folder_on_a_filesystem_without_locks_is_refused_in_one_line(tmp_path,
         UserError, match=r"^cannot lock .*/r \(No locks available\): give --run_name on a local"
     ):
         files.own(tmp_path / "r", "metrics to --runs_dir", "--run_name")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop itself
+def test_a_stop_signal_whose_exception_python_drops_still_stops_the_run():
+    """A signal whose exception is raised inside a garbage-collection callback (JAX has one) is
+    reported and dropped by Python: the run it came to stop must stop all the same. (Ctrl-C so
+    placed once left a run training on.)"""
+
+    def collecting(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # Python code: where the handler runs, and raises
+
+    with cluster.early_stops():
+        gc.callbacks.append(collecting)
+        try:
+            gc.collect()  # the handler's exception is dropped here
+        finally:
+            gc.callbacks.remove(collecting)
+        with cluster.StopSignal() as stop, pytest.raises(cluster.Stopped) as stopped:
+            stop.check("while reading the data: nothing saved")
+    assert stopped.value.signum == signal.SIGINT
