@@ -704,7 +704,7 @@ class Model(NamedTuple):
     bounds: Callable[[Config], dict[str, tuple[int, str]]]
     traffic: Callable[[Config], int]
     flags: type | None = None
-    check: Callable[[Config], str] | None = None  # a refusal of this configuration, or ""
+    check: Callable[[Config], str] = lambda cfg: ""  # a refusal of this configuration, or ""
 
 
 def layer_carry(states_L, cfg: Config):
@@ -783,6 +783,14 @@ def egg_end(carried, cfg: Config):
     return jnp.moveaxis(jnp.stack(carried).reshape((cfg.n_layer, -1, cfg.n_embd)), 0, 1)
 
 
+def gru_move(x, h, g, c, cfg: Config):
+    """The state h moved toward the candidate c by g / 256 of the way (g in [0, 254], c in int8:
+    between h and c), joining the residual stream x: (the stream, the state, the activations)."""
+    h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)
+    gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
+    return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
+
+
 def egg_gru(x, h, layer, w: Perturbed, cfg: Config):
     """A block's GRU, of every member: the new residual stream, this layer's new state and the
     GRU's int8 activations by name. x: the residual stream x_RxDxSxE, int8 at WEIGHT_FRAC; h: this
@@ -795,9 +803,7 @@ def egg_gru(x, h, layer, w: Perturbed, cfg: Config):
     # candidate: clipping to int8 is the (hard) tanh
     (uh,) = products(w, gated, ("Uh",), layer)
     c = clipped_add(wh, uh, w.params["bh"][layer]).astype(i32)
-    h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
-    gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
-    return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
+    return gru_move(x, h, g, c, cfg)
 
 
 def egg_block(x, h, layer, w: Perturbed, cfg: Config, gru=egg_gru):
@@ -854,9 +860,7 @@ def mingru_gru(x, h, layer, w: Perturbed, cfg: Config):
     wf, wh = products(w, x, ("Wf", "Wh"), layer, gain="ln1")
     g = clipped_add(wf, w.params["bf"][layer]).astype(i32) + INT8_MAX
     c = clipped_add(wh, w.params["bh"][layer]).astype(i32)
-    h = (h.astype(i32) + ((g * (c - h.astype(i32))) >> GATE_BITS)).astype(jnp.int8)  # between h, c
-    gate, candidate = (g - INT8_MAX).astype(jnp.int8), c.astype(jnp.int8)
-    return join(h, x, cfg.residual_shift), h, {"gate": gate, "candidate": candidate, "state": h}
+    return gru_move(x, h, g, c, cfg)
 
 
 def mingru_traffic(cfg: Config) -> int:
@@ -932,11 +936,10 @@ def attention_weights(scores, allowed, tables: Tables):
     return jnp.where(allowed, p, 0).astype(jnp.int8)
 
 
-def attention(q, k, v, documents, w: Perturbed, cfg: Config):
+def attention(q, k, v, allowed, w: Perturbed, cfg: Config):
     """Causal attention of every member over its window: q, k, v (T, R, D, S, n) int8 at
-    WEIGHT_FRAC, documents (T, R, D, S) each byte's document (a count of separators); a byte reads
-    itself and the bytes before it in its document. Returns (T, R, D, S, n) int8: each head's
-    sum p v at PROB_FRAC, floored back to v's scale."""
+    WEIGHT_FRAC, allowed (R, D, S, T, U) the bytes U each byte T reads (attention_mask).
+    Returns (T, R, D, S, n) int8: each head's sum p v at PROB_FRAC, floored back to v's scale."""
     width = cfg.model_flags.head_width
 
     def heads(x):  # (T, R, D, S, H, width)
@@ -946,20 +949,26 @@ def attention(q, k, v, documents, w: Perturbed, cfg: Config):
     q_, k_ = (deepened(heads(x), -1, DOT_DEPTH) for x in (q, k))
     qk = jnp.einsum("trdshc,urdshc->rdshtu", q_, k_, preferred_element_type=i32)
     scores = clip_int8((qk * score_multiplier(width)) >> SCORE_FRAC)
-    places = jnp.arange(q.shape[0])
-    same = jnp.moveaxis(documents, 0, -1)  # (R, D, S, T)
-    allowed = (places[:, None] >= places[None, :]) & (same[..., :, None] == same[..., None, :])
     p = attention_weights(scores, allowed[..., None, :, :], w.tables)  # (R, D, S, H, T, U)
     p, values = deepened(p, -1, DOT_DEPTH), deepened(heads(v), 0, DOT_DEPTH)
     out = jnp.einsum("rdshtu,urdshc->trdshc", p, values, preferred_element_type=i32)
     return clip_int8(out >> PROB_FRAC).reshape(q.shape)
 
 
-def transformer_block(x, documents, layer, w: Perturbed, cfg: Config):
+def attention_mask(bytes_TxRxDxS):
+    """The bytes each byte of a window reads, (R, D, S, T, U): itself and those before it in its
+    document (a byte 0 starts one, as it restarts EGG's state)."""
+    documents = jnp.moveaxis(jnp.cumsum(bytes_TxRxDxS == 0, axis=0), 0, -1)  # (R, D, S, T)
+    places = jnp.arange(bytes_TxRxDxS.shape[0])
+    before = places[:, None] >= places[None, :]
+    return before & (documents[..., :, None] == documents[..., None, :])
+
+
+def transformer_block(x, allowed, layer, w: Perturbed, cfg: Config):
     """One block of every member: attention, then an MLP (n -> 4n -> n, a ReLU between), each
     after its layer norm and joining the residual stream; the new stream and activations."""
     q, k, v = products(w, x, ("Wq", "Wk", "Wv"), layer, gain="ln1")
-    attended = attention(q, k, v, documents, w, cfg)
+    attended = attention(q, k, v, allowed, w, cfg)
     (x,) = products(w, attended, ("Wo",), layer, residual=x)
     (hidden,) = products(w, x, ("W1",), layer, gain="ln2")
     hidden = jnp.maximum(hidden, 0)
@@ -972,15 +981,15 @@ def transformer_window(w: Perturbed, bytes_TxRxDxS, cfg: Config):
     places = jnp.broadcast_to(
         jnp.arange(bytes_TxRxDxS.shape[0]).reshape(-1, 1, 1, 1), bytes_TxRxDxS.shape
     )
-    x = clipped_add(embed(w, "emb", bytes_TxRxDxS), embed(w, "pos", places))
-    documents = jnp.cumsum(bytes_TxRxDxS == 0, axis=0)
+    embedding = clipped_add(embed(w, "emb", bytes_TxRxDxS), embed(w, "pos", places))
+    allowed = attention_mask(bytes_TxRxDxS)
 
-    def layer(x, _, at):
-        x, seen = transformer_block(x, documents, at, w, cfg)
-        return x, _, seen
+    def layer(x, no_state, at):
+        x, seen = transformer_block(x, allowed, at, w, cfg)
+        return x, no_state, seen
 
-    unused = layer_carry(jnp.zeros((cfg.n_layer, 0), jnp.int8), cfg)
-    embedding, (x, _, seen) = x, each_layer(layer, x, unused, cfg)
+    no_states = layer_carry(jnp.zeros((cfg.n_layer, 0), jnp.int8), cfg)
+    x, _, seen = each_layer(layer, embedding, no_states, cfg)
     (logits,) = products(w, x, ("head",), gain="ln_out")
     seen = {k: jnp.moveaxis(a, 0, 1) for k, a in seen.items()}  # each (T, L, R, D, S, width)
     return logits, {"embedding": embedding, **seen, "logits": logits}
@@ -1128,7 +1137,7 @@ def read_windows(w: Perturbed, bytes_TxRxDxS, cfg: Config):
     folded = jnp.swapaxes(split, 0, 1).reshape((window, count * repeats) + padded.shape[2:])
 
     def unfold(x):  # (W, [L,] C R, D, S, ...) -> (T, [L,] R, D, S, ...)
-        at = x.ndim - 4 if x.ndim > 5 else 1  # the repeats' axis
+        at = x.ndim - 4  # the repeats' axis, before (D, S, width)
         x = x.reshape(x.shape[:at] + (count, repeats) + x.shape[at + 1 :])
         x = jnp.moveaxis(x, at, 0)
         return x.reshape((count * window,) + x.shape[2:])[:length]
@@ -1841,7 +1850,7 @@ def check_args(args: Args) -> None:
     flag's range and choices and every replica's settings (egg/command.py), then the bounds."""
     command.check_flags(args, replicas_of)
     cfg = make_config(args)
-    refusal = MODELS[cfg.model].check and MODELS[cfg.model].check(cfg)
+    refusal = MODELS[cfg.model].check(cfg)
     if refusal:
         raise UserError(refusal)
     check_bounds(cfg)
@@ -1997,19 +2006,20 @@ def on_population(local, mesh: jax.sharding.Mesh, cfg: Config):
     mesh:
     parameters, update rule state, batches and per-replica inputs whole on every device, states and
     fitness spread over the population; the carried arrays donated; full rank's XLA options."""
+    outs = (REPLICATED, REPLICATED, SPREAD, SPREAD, REPLICATED)
     step = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(REPLICATED, REPLICATED, SPREAD) + (REPLICATED,) * 5,
-        out_specs=(REPLICATED, REPLICATED, SPREAD, SPREAD, REPLICATED),
+        out_specs=outs,
         check_vma=False,
     )
     # the outputs' shardings stated: XLA would leave a model's states without entries (a window
     # model's, (K, P, 0)) whole on every device, and the next generation would refuse them
-    shardings = [jax.sharding.NamedSharding(mesh, s) for s in (REPLICATED, SPREAD)]
-    spread = tuple(shardings[i] for i in (0, 0, 1, 1, 0))
+    shardings = tuple(jax.sharding.NamedSharding(mesh, spec) for spec in outs)
+    options = compiler_options(cfg)
     return jax.jit(
-        step, donate_argnums=(0, 1, 2), out_shardings=spread, compiler_options=compiler_options(cfg)
+        step, donate_argnums=(0, 1, 2), out_shardings=shardings, compiler_options=options
     )
 
 

@@ -625,6 +625,11 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
 # (d) and (e): the same bits as the CPU's, and what else runs on the device.
 
 
+def same_generations(args) -> int:
+    """The generations of each side of (d) and (e)'s comparisons."""
+    return 4 if args.quick else SAME_GENERATIONS
+
+
 def same_training(
     platform: str, out: Path, flags=(), kernels=True, generations=SAME_GENERATIONS
 ) -> list[str]:
@@ -770,7 +775,7 @@ def the_rest(args: Args, out: Path, clock: Clock) -> list[str]:
         args.platform, shapes=DOT_SHAPES[:4] if args.quick else DOT_SHAPES
     )
     print(*lines, sep="\n", flush=True)
-    generations = 4 if args.quick else SAME_GENERATIONS
+    generations = same_generations(args)
     where = f"{generations} generations on {args.platform} (its kernels; XLA's products), the CPU"
     lines.append(same_bits(where, same_training(args.platform, out, generations=generations)))
     print(lines[-1], flush=True)
@@ -816,7 +821,7 @@ def main(args: Args) -> int:
     print(tables[0], flush=True)
     configurations = QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS
     least = 0.2 if args.quick else 1.5
-    generations = 4 if args.quick else SAME_GENERATIONS
+    generations = same_generations(args)
 
     def full_rank() -> list[str]:
         line = f"(d) skipped: {clock.left():.0f} s of the budget left"

@@ -191,7 +191,7 @@ def recorded_attention(monkeypatch) -> dict:
     largest, attention = dict.fromkeys(ATTENTION, 0), run.attention
     tables = run.make_tables(1)
 
-    def record(q, k, v, documents, width):
+    def record(q, k, v, allowed, width):
         def heads(x):  # (T, R, D, S, H, width)
             x = np.asarray(x, np.int64)
             return x.reshape(x.shape[:-1] + (-1, width))
@@ -200,10 +200,7 @@ def recorded_attention(monkeypatch) -> dict:
         scaled = qk * run.score_multiplier(width)
         largest["score"] = max(largest["score"], int(np.abs(scaled).max()))
         scores = np.clip(scaled >> run.SCORE_FRAC, -127, 127)
-        places = np.arange(len(q))
-        same = np.moveaxis(np.asarray(documents), 0, -1)
-        allowed = (places[:, None] >= places) & (same[..., :, None] == same[..., None, :])
-        allowed = allowed[..., None, :, :]
+        allowed = np.asarray(allowed)[..., None, :, :]  # (R, D, S, 1, T, U): every head's
         s = np.where(allowed, scores, -127)
         d = s.max(-1, keepdims=True) - s
         exp2 = np.asarray(tables.exp2_frac, np.int64)
@@ -218,9 +215,9 @@ def recorded_attention(monkeypatch) -> dict:
         pv = np.einsum("rdshtu,urdshc->trdshc", p, heads(v))
         largest["p v"] = max(largest["p v"], int(np.abs(pv).max()))
 
-    def recording(q, k, v, documents, w, cfg):
-        jax.debug.callback(record, q, k, v, documents, cfg.model_flags.head_width)
-        return attention(q, k, v, documents, w, cfg)
+    def recording(q, k, v, allowed, w, cfg):
+        jax.debug.callback(record, q, k, v, allowed, cfg.model_flags.head_width)
+        return attention(q, k, v, allowed, w, cfg)
 
     monkeypatch.setattr(run, "attention", recording)
     return largest

@@ -50,13 +50,13 @@ def test_each_model_trains_saves_resumes_samples_and_shows_its_activations(tmp_p
 
 def test_a_killed_transformer_run_resumes_exactly(tmp_path, capsys):
     """Nothing carried from window to window: the parameters and the rule's state are the run."""
-    given = [*MODELS["transformer"], "--num_epochs", "40", "--save_every", "3"]
+    given = [*MODELS["transformer"], "--num_epochs", "150", "--save_every", "3"]
     train(capsys, tmp_path / "whole", *given)
     kill_once_saved(start(*given, runs=tmp_path / "b"), tmp_path / "b", 6)
     code, out, err = finish(start(*given, "--resume", "auto", runs=tmp_path / "b"))
     assert code == 0 and "resuming from" in out, err[-2000:]
-    (whole,) = (tmp_path / "whole").glob("*/checkpoints/gen-00000040")
-    resumed = checkpoint_dir(tmp_path / "b") / "gen-00000040"
+    (whole,) = (tmp_path / "whole").glob("*/checkpoints/gen-00000150")
+    resumed = checkpoint_dir(tmp_path / "b") / "gen-00000150"
     assert checkpoints.checkpoint_digest(resumed) == checkpoints.checkpoint_digest(whole)
 
 
