@@ -42,9 +42,11 @@ from typing import Annotated, Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from egg import (
     UserError,
+    autotune,
     checkpoints,
     cluster,
     command,
@@ -111,7 +113,8 @@ class ModelFlags:
     """a block's outputs join the residual stream divided by 2**this (-1: 2 from 100,000
     parameters, else 0)"""
     kernels: Literal["auto", "xla", "pallas"] = "auto"
-    """who computes the products: egg/kernel.py (auto: on a GPU) or XLA's; the same bits"""
+    """who computes the products: egg/kernel.py or XLA's, the same bits (auto: XLA's on a CPU; on a
+    GPU the fastest of PRODUCT_CANDIDATES at this run's shapes, timed there and kept)"""
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class Config(NamedTuple):
     replicas: int  # K: the leading axis of every parameter, state and per-replica input
     # the fast paths, each chosen by make_config and taken in one place
     kernels: str  # who computes the products (products): "xla", "pallas" or "interpret"
+    kernel_options: kernel.Options  # how the kernel computes them (--kernels auto chooses on a GPU)
     unrolled: bool  # the layers unrolled, each state its own buffer (each_layer): a GPU's graphs
     noise_per_segment: bool  # each segment's noise built where used, twice (noise_sources): a GPU's
 
@@ -566,9 +570,6 @@ def join(branch, x, shift: int):
 
 # what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
 ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, noise_term, clipped_add)
-# the kernel layer-normalises its inputs itself, in every tile of outputs; False: XLA does, once a
-# row, before it (the same bits; scripts/gpu_check.py times both on a GPU: docs/gpu.org)
-KERNEL_NORMALISES = True
 
 
 class Perturbed(NamedTuple):
@@ -584,6 +585,7 @@ class Perturbed(NamedTuple):
     tables: Tables
     kernel: dict | None
     interpret: bool  # the kernel in Pallas's interpreter (on the CPU)
+    options: kernel.Options  # how the kernel computes (Config.kernel_options)
     residual_shift: int  # how a block's outputs join the residual stream (join)
     replicas: int  # K, of which this is one: the kernel's tiles are chosen for all K (kernel.tiles)
 
@@ -652,7 +654,7 @@ def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = ""
     def as_rows(v):  # (R, D, S, n) -> (Q, S n): a view
         return v.reshape((pairs, -1))
 
-    if gain and not KERNEL_NORMALISES:
+    if gain and not w.options.normalises:  # XLA layer-normalises x, once a row
         x, gain = layer_norm(x, at(w.params[gain])), ""
     gains = None
     if gain:  # its rows, layer axis first: (L, D, S n), or (L, 1, n) noise-free (every row's)
@@ -661,7 +663,9 @@ def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = ""
     index = jnp.asarray(0 if layer is None else layer, i32)
     added = None if residual is None else as_rows(residual)
     arithmetic = ARITHMETIC._replace(add=partial(join, shift=w.residual_shift))
-    options = dict(interpret=w.interpret, arithmetic=arithmetic, replicas=w.replicas)
+    options = dict(
+        interpret=w.interpret, arithmetic=arithmetic, replicas=w.replicas, options=w.options
+    )
     out = kernel.product(as_rows(x), *operands, w.sides.shift, index, gains, added, **options)
     return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
@@ -1121,7 +1125,10 @@ def perturbed(params, noise, sides: Sides, cfg: Config) -> Perturbed:
         operands = kernel_operands(weights, matrix_noise, MODELS[cfg.model].groups, layered)
     tables, interpret = make_tables(cfg.rank), cfg.kernels == "interpret"
     shift = cfg.residual_shift
-    return Perturbed(weights, matrix_noise, sides, tables, operands, interpret, shift, cfg.replicas)
+    options = cfg.kernel_options
+    return Perturbed(
+        weights, matrix_noise, sides, tables, operands, interpret, options, shift, cfg.replicas
+    )
 
 
 def read_windows(w: Perturbed, bytes_TxRxDxS, cfg: Config):
@@ -1803,6 +1810,7 @@ def make_config(args: Args, devices: int | None = None, platform: str = "cpu") -
         devices=devices,
         replicas=args.pbt.replicas,
         kernels=kernels,
+        kernel_options=kernel.DEFAULT,
         unrolled=kernels != "xla",
         noise_per_segment=platform in GPUS,
     )
@@ -2280,10 +2288,68 @@ def mesh_config(args: Args, mesh: jax.sharding.Mesh) -> Config:
     return make_config(args, mesh.size, mesh.devices.flat[0].platform)
 
 
+# --kernels auto's candidates on a GPU: who computes the products and the kernel's options, each
+# the same integers (tests/test_kernels.py); the fastest at a run's shapes is taken
+# (fastest_products). scripts/gpu_check.py times them beside the rest of its variants.
+PRODUCT_CANDIDATES = {
+    "the kernel": ("pallas", kernel.DEFAULT),
+    "the kernel, layer norms before it": ("pallas", kernel.Options(normalises=False)),
+    "XLA's products": ("xla", kernel.DEFAULT),
+}
+PRODUCTS_KEPT = "product_choices.json"  # the choices, beside the compilation cache (autotune.py)
+
+
+def as_candidate(cfg: Config, name: str, platform: str) -> Config:
+    """cfg with its products computed as the candidate `name` computes them on this platform (the
+    kernel in Pallas's interpreter on a CPU)."""
+    engine, options = PRODUCT_CANDIDATES[name]
+    kernels = product_engine(engine, platform, cfg.rank)
+    return cfg._replace(kernels=kernels, unrolled=kernels != "xla", kernel_options=options)
+
+
+def make_probe(cfg: Config):
+    """What --kernels auto times: one device's members of every replica reading a segment's bytes
+    with their noise, every product of every layer as the generation step computes it, jitted:
+    probe(params, states, tokens (members, bytes + 1) uint8, seeds, sigma_shifts) -> (fitness,
+    states), for cfg of one device and one segment (fastest_products)."""
+
+    def one(params, states, tokens, seed, sigma_shift):
+        noise_of, _ = noise_sources(cfg, seed, jnp.int32(0), 0)
+        return population_fitness(cfg, params, noise_of, states, tokens, sigma_shift)
+
+    return jax.jit(every_replica(one, shared=(2,)))
+
+
+def fastest_products(
+    cfg: Config, device, replicas: list[Replica], kept: Path | None, clock=time.perf_counter
+) -> str:
+    """The name of the fastest of PRODUCT_CANDIDATES for cfg's products on `device`: each timed
+    there on one device's share of the members reading one segment (egg/autotune.py), or as kept
+    in the file `kept` for this device kind, JAX version and shapes."""
+    length = -(-cfg.tokens // cfg.segments)  # a segment's bytes: the products' shapes are a step's
+    probe = cfg._replace(population=cfg.population // cfg.devices, devices=1, tokens=length)
+    probe = probe._replace(segments=1)
+    rows = (probe.population, length + 1)
+    tokens = np.random.default_rng(0).integers(0, 256, rows).astype(np.uint8)
+
+    def build(name: str):  # a call of one candidate's probe (the first compiles it) on the device
+        candidate = as_candidate(probe, name, device.platform)
+        params, _, states = init_run(candidate, replicas)
+        _, seeds, sigma_shifts = replica_inputs(candidate, replicas, 0)
+        inputs = jax.device_put((params, states, tokens, seeds, sigma_shifts), device)
+        call = make_probe(candidate)
+        return lambda: jax.block_until_ready(call(*inputs))
+
+    key = f"{device.device_kind} | JAX {jax.__version__} | {probe}"
+    builds = {name: partial(build, name) for name in PRODUCT_CANDIDATES}
+    return autotune.choose(key, builds, kept, clock)
+
+
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
     """Join the other processes and start the mesh: (the flags as used, the mesh, the run's
     Config). On a GPU: no CPU split, and XLA's products (--kernels xla) where the GPU kernel cannot
-    run, said in one line (refused with --kernels pallas)."""
+    run, said in one line (refused with --kernels pallas); with --kernels auto, the fastest of
+    PRODUCT_CANDIDATES, chosen by the first process and taken by every other."""
     cluster.init_distributed(args.cluster)
     mesh = cluster.population_mesh(POP)
     if mesh.devices.flat[0].platform == "cpu":
@@ -2298,7 +2364,19 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
         args = replace(args, kernels="xla")
         if jax.process_index() == 0:
             print(f"products by XLA, the same bits: {fault}")
-    return args, mesh, mesh_config(args, mesh)
+    cfg = mesh_config(args, mesh)
+    if args.model.kernels != "auto" or cfg.kernels != "pallas":
+        return args, mesh, cfg
+    cache = jax.config.jax_compilation_cache_dir
+    kept = Path(cache).parent / PRODUCTS_KEPT if cache else None
+    names = list(PRODUCT_CANDIDATES)
+    chosen = np.int32(0)
+    if jax.process_index() == 0:
+        device = jax.local_devices()[0]
+        chosen = np.int32(names.index(fastest_products(cfg, device, replicas_of(args), kept)))
+    if jax.process_count() > 1:  # a sync point: every process compiles the same program
+        chosen = multihost_utils.broadcast_one_to_all(chosen)
+    return args, mesh, as_candidate(cfg, names[int(chosen)], mesh.devices.flat[0].platform)
 
 
 def training_identity(args: Args, cfg: Config, data: np.ndarray) -> dict:

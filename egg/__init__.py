@@ -17,6 +17,8 @@ flags are a group of its own (a Flags dataclass), which run.Args gathers under t
     command.py      the command line: flags as given, retired variants, the checks, how it ends
     kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic
                     defines
+    autotune.py     --kernels auto: the fastest of the candidates computing the products, timed
+                    on the device, kept by device kind, JAX version and shapes
     hlo.py          a compiled program's text read once: collectives, kernels and their cost
 
 Nothing here imports run.py, and nothing here reads run.py's objects: each function takes plain

@@ -37,6 +37,21 @@ WARPS = 4  # a program's warps (one warpgroup), unless a caller asks for others
 TILE_DEPTH_MIN = 32
 
 
+class Options(NamedTuple):
+    """How the kernel computes, none of which changes an integer (each is a candidate of run.py's
+    --kernels auto): whether it layer-normalises its inputs itself, in every tile of outputs (else
+    its caller gives them normalised, once a row, before it); the tile rule's least programs a
+    streaming multiprocessor (SM) and widest tile of outputs (tiles); a program's warps."""
+
+    normalises: bool = True
+    programs_per_sm: int = PROGRAMS_PER_SM
+    columns: int = TILE_COLUMNS
+    warps: int = WARPS
+
+
+DEFAULT = Options()  # the options the kernel computes with unless its caller says others
+
+
 class Arithmetic(NamedTuple):
     """What a product computes, given by the caller; each takes and returns int32 or int8 arrays."""
 
@@ -59,18 +74,25 @@ def takes(pairs: int, distinct: int, m: int, n: int) -> bool:
     return shaped and distinct % 16 == 0 and pairs % distinct == 0
 
 
-def tiles(replicas: int, groups: int, pairs: int, distinct: int, m: int, n: int, sides: int):
+def tiles(
+    replicas: int,
+    groups: int,
+    pairs: int,
+    distinct: int,
+    m: int,
+    n: int,
+    sides: int,
+    rule: Options = DEFAULT,
+):
     """(rows, columns, depth) of a product's tiles: of the tiles of powers of two from 16 (rows of
-    pairs, at most TILE_ROWS, within the distinct ones; outputs, at most TILE_COLUMNS) whose grid
-    gives each SM of an H100 PROGRAMS_PER_SM programs at least, the largest (each re-reads the
-    fewest weights and inputs); where none does (few members, few outputs), the smallest; and the
-    longest chunk of the inputs, at most TILE_DEPTH. Any tiles compute the same integers."""
-    options = tile_options(distinct, m)
-    enough = [
-        t
-        for t in options
-        if programs(replicas, groups, pairs, m, sides, *t) >= PROGRAMS_PER_SM * SMS
-    ]
+    pairs, at most TILE_ROWS, within the distinct ones; outputs, at most the rule's columns) whose
+    grid gives each SM of an H100 the rule's programs_per_sm programs at least, the largest (each
+    re-reads the fewest weights and inputs); where none does (few members, few outputs), the
+    smallest; and the longest chunk of the inputs, at most TILE_DEPTH. Any tiles compute the same
+    integers."""
+    options = tile_options(distinct, m, rule.columns)
+    least = rule.programs_per_sm * SMS
+    enough = [t for t in options if programs(replicas, groups, pairs, m, sides, *t) >= least]
     if enough:
         rows, columns = max(enough, key=lambda t: (t[0] * t[1], t[1]))
     else:
@@ -79,15 +101,15 @@ def tiles(replicas: int, groups: int, pairs: int, distinct: int, m: int, n: int,
     return rows, columns, depth
 
 
-def tile_options(distinct: int, m: int) -> list[tuple[int, int]]:
+def tile_options(distinct: int, m: int, widest: int = TILE_COLUMNS) -> list[tuple[int, int]]:
     """The (rows of pairs, columns of outputs) a product's tiles may take: powers of two from 16,
-    at most TILE_ROWS within the distinct pairs and TILE_COLUMNS within the outputs."""
+    at most TILE_ROWS within the distinct pairs and `widest` within the outputs."""
     return [
         (rows, columns)
         for rows in (16, 32, 64)
         if rows <= TILE_ROWS and distinct % rows == 0
         for columns in (16, 32, 64, 128)
-        if columns <= TILE_COLUMNS and m % columns == 0
+        if columns <= widest and m % columns == 0
     ]
 
 
@@ -229,7 +251,7 @@ def product(
     arithmetic,
     replicas: int = 1,
     tile=None,
-    warps=WARPS,
+    options: Options = DEFAULT,
 ):
     """One replica's members' int8 products with G matrices: out[g] = rescale(x' W_g^T + noise
     term), x' the layer norm of x (with a gain) or x, plus the residual (with one), each as
@@ -240,7 +262,8 @@ def product(
     (L, 1, n) (every row's) or None; residual (Q, S m) or None. Returns (G, Q, S m). A program
     (int8_product) computes a tile of pairs and outputs of one side of one matrix: `tile`'s (rows,
     columns, depth), or the rule's (tiles, for `replicas` replicas mapped over the call) where None,
-    in `warps` warps; the same integers any way (scripts/gpu_check.py times them)."""
+    in the options' warps; the same integers any way (scripts/gpu_check.py times them). The
+    options' `normalises` is the caller's to honour: a gain here is always applied."""
     from jax.experimental import pallas as pl
 
     pairs = x.shape[0]
@@ -248,7 +271,7 @@ def product(
     sides = x.shape[1] // n
     noisy = a is not None
     distinct = a.shape[2] if noisy else pairs
-    rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides)
+    rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides, options)
     column_tiles = m // columns
     kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
     program = partial(
@@ -263,7 +286,7 @@ def product(
     if not interpret:
         from jax.experimental.pallas import triton as pallas_triton
 
-        compiler = pallas_triton.CompilerParams(num_warps=warps, num_stages=2)
+        compiler = pallas_triton.CompilerParams(num_warps=options.warps, num_stages=2)
     place = lambda g, i, j, s: (g, i, s * column_tiles + j)  # noqa: E731
     return pl.pallas_call(
         program,

@@ -59,7 +59,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -134,14 +133,19 @@ SEED = ("--seed", "0")
 # is; XLA's command buffers as it records them by default, none, and loops recorded too (WHILE)
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE"}
-VARIANTS = {  # name: (--kernels, a setting of the code (setting), XLA's options)
-    "kernel, tiles before, graphs": ("pallas", "tiles before", {}),
-    "kernel, tiles now, graphs": ("pallas", "", {}),
-    "kernel, layer norms before it, graphs": ("pallas", "layer norms before", {}),
-    "kernel, tiles now, no graphs": ("pallas", "", NO_GRAPHS),
-    "kernel, tiles now, loops in graphs": ("pallas", "", WHILE),
-    "XLA's products, graphs": ("xla", "", {}),
-    "XLA's products, no graphs": ("xla", "", NO_GRAPHS),
+# the kernel's options (egg/kernel.py's Options) each variant changes: "tiles before", the tile rule
+# as it was (the largest tiles, at most 64 outputs, whatever the grid they give); layer norms
+# before the kernel, by XLA once a row
+TILES_BEFORE = {"programs_per_sm": 0, "columns": 64}
+NORMS_BEFORE = {"normalises": False}
+VARIANTS = {  # name: (--kernels, the kernel's options changed, XLA's options)
+    "kernel, tiles before, graphs": ("pallas", TILES_BEFORE, {}),
+    "kernel, tiles now, graphs": ("pallas", {}, {}),
+    "kernel, layer norms before it, graphs": ("pallas", NORMS_BEFORE, {}),
+    "kernel, tiles now, no graphs": ("pallas", {}, NO_GRAPHS),
+    "kernel, tiles now, loops in graphs": ("pallas", {}, WHILE),
+    "XLA's products, graphs": ("xla", {}, {}),
+    "XLA's products, no graphs": ("xla", {}, NO_GRAPHS),
 }
 PROFILED = "kernel, tiles now, graphs"  # the variant whose one generation (c) profiles
 GRAPH_LAUNCHES = "(CUDA graph launches)"  # the model's cost of launching the graphs themselves
@@ -287,35 +291,15 @@ def beside_nano_egg(args: Args, out: Path, clock: Clock) -> list[str]:
 # profiled.
 
 
-@contextmanager
-def setting(name: str):
-    """A variant's setting of the code while it is traced: "tiles before", the product kernel's
-    tile rule as it was (the largest tiles, at most 64 outputs, whatever the grid they give);
-    "layer norms before", each row layer-normalised by XLA before the kernel
-    (run.KERNEL_NORMALISES off); "", the code as it is."""
-    from egg import kernel  # noqa: PLC0415
-
-    run = run_module()
-    kept = kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS, run.KERNEL_NORMALISES
-    if name == "tiles before":
-        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS = 0, 64
-    elif name == "layer norms before":
-        run.KERNEL_NORMALISES = False
-    try:
-        yield
-    finally:
-        kernel.PROGRAMS_PER_SM, kernel.TILE_COLUMNS, run.KERNEL_NORMALISES = kept
-
-
-def compiled_step(flags: list[str], options: dict, dump: Path):
-    """run.py's generation step for these flags, compiled with these XLA options (its thunks dumped
-    into `dump`), and its first arguments: (compiled, traced, cfg, carry, batch, inputs)."""
-    import jax  # noqa: PLC0415
+def compiled_step(flags: list[str], options: dict, dump: Path, changes: dict | None = None):
+    """run.py's generation step for these flags (and these changes of the kernel's options),
+    compiled with these XLA options (its thunks dumped into `dump`), and its first arguments:
+    (compiled, traced, cfg, carry, batch, inputs)."""
     import numpy as np  # noqa: PLC0415
 
     run = run_module()
-    jax.clear_caches()  # traced anew: the tile rule is read as the program is traced
     args, mesh, cfg = run.start_devices(run.parse_args(flags))
+    cfg = cfg._replace(kernel_options=cfg.kernel_options._replace(**(changes or {})))
     replicas = run.replicas_of(args)
     carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
     batch = np.zeros((cfg.population // cfg.group_size, cfg.tokens + 1), np.uint8)
@@ -422,7 +406,7 @@ def step_variants(
     ]
     print(*lines, sep="\n", flush=True)
     profiled = []
-    for name, (kernels, changed, options) in variants.items():
+    for name, (kernels, changes, options) in variants.items():
         if clock.left() < 20:
             lines.append(f"{name:36} skipped: {clock.left():.0f} s of the budget left")
             print(lines[-1], flush=True)
@@ -431,8 +415,9 @@ def step_variants(
         flags = [*config.flags, "--kernels", kernels]
         try:
             tick = time.time()
-            with setting(changed):
-                compiled, traced, cfg, carry, batch, inputs = compiled_step(flags, options, dump)
+            compiled, traced, cfg, carry, batch, inputs = compiled_step(
+                flags, options, dump, changes
+            )
             compile_seconds = time.time() - tick
             seconds, carry = timed(compiled, carry, batch, inputs, least)
         except Exception as error:  # a variant that fails is a finding: its line says how
@@ -586,7 +571,8 @@ def tile_sweep(config: Configuration, clock: Clock, least: float, warps=(4, 8)) 
                 break
             if w != warps[0] and rows < 64:  # more warps only where a tile is a wgmma's 64 rows
                 continue
-            options = dict(interpret=interpret, arithmetic=run.ARITHMETIC, warps=w)
+            chosen = kernel.Options(warps=w)
+            options = dict(interpret=interpret, arithmetic=run.ARITHMETIC, options=chosen)
             tile = (rows, columns, rule[2])
             function = jax.jit(partial(kernel.product, tile=tile, **options))
             times[(rows, columns, w)] = seconds_a_call(function, operands, least)

@@ -205,6 +205,14 @@ def member_embed(emb, tok: int, nz, sign: int, sigma_shift: int):
     tok = jnp.full((1, 1, 1), tok, jnp.uint8)
     noise = None if nz is None else {"emb": pair_axes(nz)}
     w = run.Perturbed(
-        {"emb": jnp.asarray(emb)}, noise, member_sides(sign, sigma_shift), None, None, False, 0, 1
+        {"emb": jnp.asarray(emb)},
+        noise,
+        member_sides(sign, sigma_shift),
+        None,
+        None,
+        False,
+        None,
+        0,
+        1,
     )
     return np.asarray(run.embed(w, "emb", tok)).reshape(-1)

@@ -58,15 +58,17 @@ def integer_only(text: str) -> None:
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--algorithm", "upstream"],
-        ["--replicas", "2", "--replica_sigma_shift", "3", "5"],
-        ["--model", "mingru"],
-        ["--model", "transformer", "--head_width", "8"],
+        ["--algorithm", "upstream", "--model", "mingru"],
+        ["--replicas", "2", "--replica_sigma_shift", "3", "5", "--model", "transformer"]
+        + ["--head_width", "8"],
     ],
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
-    """The defaults' step: in the target report's test, which compiles it."""
-    args = tiny_args(*SMALL, "--segments", "6", *flags)
+    """Upstream's algorithm, replicas and the two other models (two at a time: each compile takes
+    seconds); the defaults' step: in the target report's test, which compiles it."""
+    # 6 segments of 2 bytes: segments of one length compile one loop of bytes (8 bytes in 6
+    # segments would be two loops, of 2 and of 1 byte, and twice the compile time)
+    args = tiny_args(*SMALL, "--segments", "6", "--tokens_per_update", "12", *flags)
     compiled, cfg, _ = compile_step(args)
     integer_only_donated_and_bounded(compiled, args, cfg)
 
@@ -122,12 +124,10 @@ def test_h100_products_are_32_deep_and_full_ranks_go_to_cublas(rank):
 def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast):
     """docs/design.org: one all-gather of an int8 score per pair and segment (half a byte per
     member and segment), with normalised scores also the two int32 sums of the mean |difference|."""
+    shaping = "sign" if fast else "normalised"
+    # one layer: its program compiles in less time, and its collectives are the same
     args = tiny_args(
-        *SMALL,
-        "--shaping",
-        "sign" if fast else "normalised",
-        "--parallel_generations_per_gpu",
-        "16",
+        *SMALL, "--shaping", shaping, "--parallel_generations_per_gpu", "16", n_layer=1
     )
     compiled, cfg, _ = compile_step(args, devices=8)
     traffic = hlo.collective_traffic(compiled.as_text())

@@ -239,7 +239,9 @@ def test_the_tile_sweep_times_every_product_of_a_generation_with_each_tile(monke
     (config,) = gpu_check.QUICK_CONFIGURATIONS
     cfg, calls = gpu_check.product_calls(list(config.flags))
     assert sum(calls.values()) == (5 * cfg.n_layer + 1) * cfg.tokens
-    monkeypatch.setattr(kernel, "tile_options", lambda distinct, m: [(16, 16), (16, 32)])
+    monkeypatch.setattr(
+        kernel, "tile_options", lambda distinct, m, widest=128: [(16, 16), (16, 32)]
+    )
     lines = gpu_check.tile_sweep(config, gpu_check.Clock(600), 0.0, warps=(4,))
     rows = lines[2:-1]
     assert len(rows) == len(calls) and all(" 16x16, 4 " in row for row in rows)

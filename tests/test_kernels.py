@@ -123,20 +123,27 @@ def counting_kernel_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize(
-    "flags, kernel_normalises",
-    [([], True), (["--algorithm", "upstream"], True), (["--residual_shift", "1"], False)],
-)
-def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
-    flags, kernel_normalises, monkeypatch
-):
+# each of --kernels auto's candidates that runs the kernel (run.PRODUCT_CANDIDATES), with flags
+AS_A_GPU = [
+    ([], "the kernel"),
+    (["--algorithm", "upstream"], "the kernel"),
+    (["--residual_shift", "1"], "the kernel, layer norms before it"),
+]
+
+
+def test_every_kernel_candidate_of_kernels_auto_is_compared_with_xlas_products():
+    kernels = {n for n, (engine, _) in run.PRODUCT_CANDIDATES.items() if engine == "pallas"}
+    assert kernels == {name for _, name in AS_A_GPU}
+
+
+@pytest.mark.parametrize("flags, candidate", AS_A_GPU)
+def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, candidate, monkeypatch):
     """32D-2L, population 64 in 3 segments, two generations:
     the kernel for every product and each segment's noise built twice (for the fitness, then for Z
     summed segment by segment) give the parameters, update rule state, states, fitness and moved
     counts of XLA's products and every segment's noise built at once; with the layer norms in the
-    kernel or before it (run.KERNEL_NORMALISES); the blocks' outputs halved where they join the
-    residual stream (the kernel's add)."""
-    monkeypatch.setattr(run, "KERNEL_NORMALISES", kernel_normalises)
+    kernel or before it (--kernels auto's candidates); the blocks' outputs halved where they join
+    the residual stream (the kernel's add)."""
     args = run.parse_args(
         [
             "--n_embd",
@@ -155,7 +162,8 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
         ]
     )
     cpu = run.make_config(args)
-    gpu = cpu._replace(**GPU_LIKE)
+    gpu = run.as_candidate(cpu._replace(**GPU_LIKE), candidate, "cpu")
+    assert gpu.kernels == "interpret" and gpu.unrolled
     mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
     rng = np.random.default_rng(5)
     params = jax.tree.map(np.asarray, run.init_params(cpu, 1))
@@ -177,7 +185,8 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(
     # every product of every traced forward is the kernel's: each layer's (Wf and Wh together, Uf,
     # Uh, W1, W2; the layers unrolled, as on a GPU) and the head's
     assert calls and len(calls) % (5 * cpu.n_layer + 1) == 0
-    assert any(calls) == kernel_normalises  # each layer's gates, W1 and the head: a gain each
+    # each layer's gates, W1 and the head have a gain: the kernel's to apply where it normalises
+    assert any(calls) == gpu.kernel_options.normalises
     for left, right in zip(*results, strict=True):
         jax.tree.map(np.testing.assert_array_equal, left, right)
     assert sum(int(np.sum(m)) for _, _, m in results[0]) > 0
