@@ -2320,29 +2320,44 @@ def make_probe(cfg: Config):
     return jax.jit(every_replica(one, shared=(2,)))
 
 
-def fastest_products(
-    cfg: Config, device, replicas: list[Replica], kept: Path | None, clock=time.perf_counter
-) -> str:
-    """The name of the fastest of PRODUCT_CANDIDATES for cfg's products on `device`: each timed
-    there on one device's share of the members reading one segment (egg/autotune.py), or as kept
-    in the file `kept` for this device kind, JAX version and shapes."""
-    length = -(-cfg.tokens // cfg.segments)  # a segment's bytes: the products' shapes are a step's
-    probe = cfg._replace(population=cfg.population // cfg.devices, devices=1, tokens=length)
-    probe = probe._replace(segments=1)
-    rows = (probe.population, length + 1)
-    tokens = np.random.default_rng(0).integers(0, 256, rows).astype(np.uint8)
+def product_probe(cfg: Config) -> Config:
+    """The configuration --kernels auto times: one device's share of the members, one segment's
+    bytes (every product's shapes as the generation step's)."""
+    length = -(-cfg.tokens // cfg.segments)
+    share = cfg.population // cfg.devices
+    return cfg._replace(population=share, devices=1, tokens=length, segments=1)
 
-    def build(name: str):  # a call of one candidate's probe (the first compiles it) on the device
-        candidate = as_candidate(probe, name, device.platform)
-        params, _, states = init_run(candidate, replicas)
-        _, seeds, sigma_shifts = replica_inputs(candidate, replicas, 0)
-        inputs = jax.device_put((params, states, tokens, seeds, sigma_shifts), device)
-        call = make_probe(candidate)
+
+def probe_inputs(probe: Config, replicas: list[Replica], device) -> tuple:
+    """make_probe's inputs on `device`: a fresh run's parameters and states, random bytes."""
+    params, _, states = init_run(probe, replicas)
+    _, seeds, sigma_shifts = replica_inputs(probe, replicas, 0)
+    rows = (probe.population, probe.tokens + 1)
+    tokens = np.random.default_rng(0).integers(0, 256, rows).astype(np.uint8)
+    return jax.device_put((params, states, tokens, seeds, sigma_shifts), device)
+
+
+def fastest_products(
+    cfg: Config,
+    device,
+    replicas: list[Replica],
+    kept: Path | None,
+    clock=time.perf_counter,
+    log=print,
+) -> str:
+    """The name of the fastest of PRODUCT_CANDIDATES for cfg's products on `device`: each one's
+    probe timed there (egg/autotune.py), or as kept in the file `kept` for this device kind, JAX
+    version and probe. Says which in one line (`log`)."""
+    probe = product_probe(cfg)
+    inputs = probe_inputs(probe, replicas, device)
+
+    def build(name: str):  # a call of one candidate's probe (the first compiles it)
+        call = make_probe(as_candidate(probe, name, device.platform))
         return lambda: jax.block_until_ready(call(*inputs))
 
     key = f"{device.device_kind} | JAX {jax.__version__} | {probe}"
     builds = {name: partial(build, name) for name in PRODUCT_CANDIDATES}
-    return autotune.choose(key, builds, kept, clock)
+    return autotune.choose(key, builds, kept, clock, log=log)
 
 
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:

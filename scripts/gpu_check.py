@@ -17,6 +17,11 @@ what it measured), each part skipped with one line where --budget has too little
     with loops recorded too (WHILE); XLA's own products with and without command buffers; then one
     generation of today's program profiled kernel by kernel (JAX's profiler) beside the model's
     time for each kernel;
+(p) --kernels auto's candidates (run.PRODUCT_CANDIDATES) at (a)'s first configuration (256D-6L,
+    population 32768) and at population 1024 of it: each one's probe (one device's members reading
+    one segment, as --kernels auto times it): ms, its int8 MACs (the compiled probe's products, as
+    bench.py counts them), T MAC/s and share of an H100's dense int8 peak; then what --kernels auto
+    picks there, and in how long;
 (m) each model of run.py's MODELS at (a)'s first configuration (population 32768 of 256D-6L): its
     generation step with the product kernel and with XLA's products, timed as (c) times them;
 (d) full-rank ES (--rank 0), the same 20 generations (--quick: 4) on the GPU and the CPU: same bits;
@@ -29,7 +34,7 @@ what it measured), each part skipped with one line where --budget has too little
     rule's choice, the same kernel without its noise, gain and residual, and XLA's int8 GEMM of the
     same shapes: what a measured tile choice would gain, and what the integer work costs.
 
-Parts run in the order --parts gives (default a m c d e t), each with what the budget has left.
+Parts run in the order --parts gives (default a p m c d e t), each with what the budget has left.
 
     python scripts/gpu_check.py --nano_egg NANO_EGG     # on the GPU machine, from the repository
     python scripts/gpu_check.py --platform cpu --quick  # its CPU part (what the tests run)
@@ -68,7 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 import side_by_side  # noqa: E402
 
-PARTS = ("a", "m", "c", "d", "e", "t")  # (b) is part of (a)
+PARTS = ("a", "p", "m", "c", "d", "e", "t")  # (b) is part of (a)
 TESTS = [
     "tests/test_model_reference.py",
     "tests/test_step.py",
@@ -113,6 +118,16 @@ CONFIGURATIONS = (
         + ("--tokens_per_update", "100"),
         100,
         75,
+    ),
+)
+# (p): the README command's model at its population and at 1024 members
+PROBED = (
+    CONFIGURATIONS[0],
+    Configuration(
+        "256D-6L, population 1024",
+        ("--parallel_generations_per_gpu", "1024", "--tokens_per_update", "100"),
+        30,
+        150,
     ),
 )
 QUICK_CONFIGURATIONS = (
@@ -445,6 +460,59 @@ def step_variants(
             ]
     print(*profiled, sep="\n", flush=True)
     return lines + profiled
+
+
+def product_candidates(config: Configuration, clock: Clock, least: float) -> list[str]:
+    """(p) for one configuration: a row for each of --kernels auto's candidates (ms a probe, its
+    int8 MACs, T MAC/s, share of the H100's dense int8 peak), then --kernels auto's own line and
+    how long it took to choose."""
+    import jax  # noqa: PLC0415
+
+    from egg import autotune, hlo  # noqa: PLC0415
+
+    run, bench = run_module(), bench_module()
+    peak = bench.ROOFLINES["h100"].int8_macs
+    args, _, cfg = run.start_devices(run.parse_args([*config.flags, "--kernels", "pallas"]))
+    device, replicas = jax.local_devices()[0], run.replicas_of(args)
+    probe = run.product_probe(cfg)
+    inputs = run.probe_inputs(probe, replicas, device)
+    lines = [
+        f"== (p) {config.name}: --kernels auto's candidates, each timed on a probe of "
+        f"{probe.population:,} members x {probe.tokens} bytes",
+        f"{'candidate':36} {'ms':>9} {'int8 MACs':>15} {'T MAC/s':>8} {'of peak':>8}",
+    ]
+    print(*lines, sep="\n", flush=True)
+    for name in run.PRODUCT_CANDIDATES:
+        if clock.left() < 20:
+            lines.append(f"{name:36} skipped: {clock.left():.0f} s of the budget left")
+            print(lines[-1], flush=True)
+            continue
+        try:
+            traced = run.make_probe(run.as_candidate(probe, name, device.platform)).trace(*inputs)
+            compiled = traced.lower().compile()
+            found = hlo.gpu_kernels(compiled.as_text(), bench.pallas_costs(traced.jaxpr))
+            macs = sum(k.runs * k.macs for k in found)
+
+            def call(compiled=compiled):
+                return jax.block_until_ready(compiled(*inputs))
+
+            seconds = autotune.seconds_a_call(call, time.perf_counter, least)
+        except Exception as error:  # a candidate that fails is a finding: its line says how
+            lines.append(f"{name:36} FAILED: {type(error).__name__}: {str(error)[:200]}")
+            print(lines[-1], flush=True)
+            continue
+        rate = macs / seconds
+        lines.append(
+            f"{name:36} {seconds * 1e3:9.2f} {macs:15,} {rate / 1e12:8.1f} {rate / peak:8.1%}"
+        )
+        print(lines[-1], flush=True)
+    if clock.left() >= 20:
+        tick, said = time.time(), []
+        run.fastest_products(cfg, device, replicas, None, log=said.append)
+        lines += [f"--kernels auto: {line}" for line in said]
+        lines.append(f"--kernels auto chose in {time.time() - tick:.1f} s")
+        print(*lines[-len(said) - 1 :], sep="\n", flush=True)
+    return lines
 
 
 def models_steps(
@@ -832,6 +900,11 @@ def main(args: Args) -> int:
         "a": lambda: beside_nano_egg(args, out, clock),
         "c": lambda: [line for c in configurations for line in step_variants(c, out, clock, least)],
         "m": lambda: models_steps(configurations[0], out, clock, least),
+        "p": lambda: [
+            line
+            for c in (configurations if args.quick else PROBED)
+            for line in product_candidates(c, clock, least)
+        ],
         "d": full_rank,
         "e": rest,
         # the two larger configurations: each takes minutes on a GPU (a compile a tile)

@@ -77,6 +77,20 @@ def test_each_variant_of_the_step_is_timed_beside_the_model_and_one_generation_p
     assert list(tmp_path.glob("trace-0/**/perfetto_trace.json.gz"))
 
 
+def test_each_candidate_of_kernels_auto_is_timed_with_its_macs_and_then_auto_chooses():
+    """(p) on the CPU: a row for each of run.PRODUCT_CANDIDATES (the kernel's in Pallas's
+    interpreter) with its ms and int8 MACs, then --kernels auto's own line and its time."""
+    (config,) = gpu_check.QUICK_CONFIGURATIONS
+    lines = gpu_check.product_candidates(config, gpu_check.Clock(600), 0.0)
+    assert lines[0].startswith(f"== (p) {config.name}: --kernels auto's candidates, each timed ")
+    rows = {line[:36].strip(): line[36:].split() for line in lines[2:5]}
+    assert list(rows) == list(run.PRODUCT_CANDIDATES)
+    assert all(float(ms) > 0 for ms, *_ in rows.values())
+    assert int(rows["XLA's products"][1].replace(",", "")) > 0  # its GEMMs' MACs, counted
+    assert re.match(r"--kernels auto: products: (.*), the fastest at this run's shapes", lines[5])
+    assert re.fullmatch(r"--kernels auto chose in [0-9.]+ s", lines[-1])
+
+
 def test_each_model_is_timed_with_the_kernels_and_with_xlas_products(tmp_path):
     """(m) on the CPU, for the transformer: its step with the product kernel (in the interpreter)
     and with XLA's products, each a row with its numbers."""
