@@ -426,6 +426,7 @@ class Target(NamedTuple):
     cfg: run.Config
     seconds: float  # compile time
     launched: hlo.Launches | None  # None where XLA dumped no thunk sequence
+    mma_code: dict[str, hlo.MmaCode]  # each kernel with MMAs in its PTX, by name (dumped_mma_code)
 
 
 def dumped_launches(dump: Path, text: str) -> hlo.Launches | None:
@@ -449,8 +450,41 @@ def compile_target(args: Args, part: str, options: dict | None = None) -> Target
         traced = make_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
         compiled = traced.lower().compile({"xla_dump_to": dump, **(options or {})})
         launched = dumped_launches(Path(dump), compiled.as_text())
+        code = dumped_mma_code(Path(dump))
     kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
-    return Target(compiled, kernels, cfg, time.time() - tick, launched)
+    return Target(compiled, kernels, cfg, time.time() - tick, launched, code)
+
+
+def dumped_mma_code(dump: Path) -> dict[str, hlo.MmaCode]:
+    """Each kernel whose PTX (as XLA dumps it) holds MMA instructions: {its name, with its MMA
+    shape where one name has several: its MMA loop's figures}. The product kernel's calls of other
+    shapes compile to kernels of one name."""
+    found = {}
+    for path in sorted(dump.glob("*.ptx")):
+        for name, lines in hlo.ptx_entries(path.read_text()).items():
+            code = hlo.mma_code(lines)
+            if code.mmas and code not in found.values():
+                key = name if name not in found else f"{name} ({code.shape})"
+                found[key if key not in found else f"{key} #{len(found)}"] = code
+    return found
+
+
+def mma_text(code: dict[str, hlo.MmaCode]) -> str:
+    """The product kernels' MMA loops in words (print_target_report)."""
+    if not code:
+        return "none (no MMA in the dumped PTX)"
+    said = []
+    for name, c in code.items():
+        waits = (
+            f"{c.waited_at_once} of {c.groups} wgmma groups waited for at once"
+            if c.kind == "wgmma"
+            else "each synchronous"
+        )
+        said.append(
+            f"{name}: {c.mmas} {c.kind} {c.shape}, {c.integer:,} integer instructions "
+            f"({c.integer / c.mmas:,.0f} an MMA), {waits}"
+        )
+    return "; ".join(said)
 
 
 def roofline_bytes(cfg: run.Config) -> tuple[float, float]:
@@ -569,6 +603,7 @@ def print_target_report(
         f"launches per generation: {graphs}",
         f"products (XLA's GEMMs and the product kernel's; an H100 has {kernel.SMS} SMs): "
         + gemms_text(kernels, cfg, figures["launched"]),
+        "MMA loops (PTX, each instruction once): " + mma_text(figures["mma code"]),
         "collectives per generation: "
         + (
             ", ".join(f"{op} {size:,} B" for op, size in figures["collectives"]) or "none (one GPU)"
@@ -614,6 +649,7 @@ def target_report(args: Args) -> dict:
     figures["temporaries"] /= 2**20
     figures["collectives"] = hlo.collective_traffic(train.compiled.as_text())
     figures["launched"] = train.launched
+    figures["mma code"] = train.mma_code
     print_target_report(args, cfg, roofline, train.seconds, train.kernels, figures)
     return figures | {
         "cfg": cfg,

@@ -348,3 +348,83 @@ def modeled_seconds(
         for k in kernels
     )
     return work + (launched.graphs * roofline.launch if launched else 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# A GPU kernel's machine code as PTX (XLA's dump of a compiled program): its MMA instructions, the
+# integer work beside them, and whether the tensor cores' asynchronous MMAs overlap that work.
+
+PTX_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
+PTX_LABEL = re.compile(r"^(\$\w+):")
+PTX_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$\w+);")
+# integer arithmetic, comparisons, selections, conversions and byte permutations: CUDA-core work
+PTX_INTEGER = {
+    "add", "sub", "mul", "mad", "mul24", "mad24", "sad", "div", "rem", "abs", "neg", "min", "max",
+    "shl", "shr", "and", "or", "xor", "not", "cvt", "selp", "setp", "slct", "prmt", "bfe", "bfi",
+    "popc", "clz",
+}  # fmt: skip
+
+
+class MmaCode(NamedTuple):
+    """A kernel's MMA loop as its PTX states it (each instruction counted once, however often it
+    runs: the loop around its MMAs where it has one, else the kernel): its MMA instructions (kind:
+    "wgmma", Hopper's asynchronous warpgroup MMA, or "mma.sync"; "" where it has none), the integer
+    instructions beside them, and of the wgmma groups committed, those waited for (wait_group 0)
+    before any other instruction: the tensor cores then overlap none of the integer work."""
+
+    kind: str
+    shape: str  # the MMA's shape, e.g. m64n128k32
+    mmas: int
+    integer: int
+    groups: int
+    waited_at_once: int
+
+
+def ptx_entries(ptx: str) -> dict[str, list[str]]:
+    """{kernel name: its instructions, one a line (comments and braces left out)} of a PTX
+    module."""
+    entries, name = {}, None
+    for line in ptx.splitlines():
+        found = PTX_ENTRY.search(line)
+        if found:
+            name = found.group(1)
+            entries[name] = []
+            continue
+        code = line.split("//")[0].strip()
+        if name is not None and code and code not in ("{", "}"):
+            entries[name].append(code)
+    return entries
+
+
+def mma_loop(lines: list[str]) -> list[str]:
+    """The innermost loop (a label and a later branch back to it) holding an MMA, else all."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := PTX_LABEL.match(line))}
+    mmas = [i for i, line in enumerate(lines) if line.startswith(("wgmma.mma_async", "mma."))]
+    loops = [
+        (labels[m.group(1)], i)
+        for i, line in enumerate(lines)
+        if (m := PTX_BRANCH.search(line)) and labels.get(m.group(1), i) < i
+    ]
+    around = [(a, b) for a, b in loops if mmas and any(a < i < b for i in mmas)]
+    if not around:
+        return lines
+    start, end = min(around, key=lambda loop: loop[1] - loop[0])
+    return lines[start : end + 1]
+
+
+def mma_code(lines: list[str]) -> MmaCode:
+    """MmaCode of one kernel's instructions (ptx_entries)."""
+    loop = mma_loop(lines)
+    opcodes = [line.split()[0].split(".")[0] for line in loop if not PTX_LABEL.match(line)]
+    mmas = [line.split()[0] for line in loop if line.startswith(("wgmma.mma_async", "mma."))]
+    kind = "" if not mmas else "wgmma" if mmas[0].startswith("wgmma") else "mma.sync"
+    shape = re.search(r"\.(m\d+n\d+k\d+)", mmas[0]).group(1) if mmas else ""
+    instructions = [line for line in loop if not PTX_LABEL.match(line)]
+    commits = [i for i, line in enumerate(instructions) if line.startswith("wgmma.commit_group")]
+    waited = sum(
+        i + 1 < len(instructions)
+        and instructions[i + 1].startswith("wgmma.wait_group.sync.aligned 0")
+        for i in commits
+    )
+    integer = sum(op in PTX_INTEGER for op in opcodes)
+    return MmaCode(kind, shape, len(mmas), integer, len(commits), waited)

@@ -211,6 +211,51 @@ def test_launches_are_read_from_xlas_thunk_sequence():
     assert hlo.modeled_seconds(kernels, roofline, launched) == pytest.approx(want)
 
 
+PTX = """\
+.visible .entry kernel_a(
+  .param .u64 p
+)
+{
+\tmov.u32 \t%r1, 0;
+$L__BB0_1:
+\tadd.s32 \t%r2, %r2, 1;
+\twgmma.fence.sync.aligned;
+\t// begin inline asm
+\twgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%r5,%r6}, %rd1, %rd2, %p1;
+\twgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%r5,%r6}, %rd3, %rd4, %p1;
+\twgmma.commit_group.sync.aligned;
+\tWAIT
+\tshr.s32 \t%r3, %r5, 1;
+\tmin.s32 \t%r3, %r3, 127;
+\tsetp.lt.s32 \t%p2, %r2, 4;
+\t@%p2 bra.uni \t$L__BB0_1;
+\tmax.s32 \t%r4, %r4, 1;
+\tret;
+}
+.visible .entry kernel_b()
+{
+\tmma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32 {%r1}, {%r2}, {%r3}, {%r4};
+\tcvt.s8.s32 \t%rs1, %r1;
+\tret;
+}
+"""
+
+
+def test_a_kernels_mma_loop_is_read_from_its_ptx_with_its_integer_work_and_waits():
+    """A loop of 2 wgmmas in one group, beside 4 integer instructions (add, shr, min, setp; the max
+    after the loop is not in it): the group waited for at once, or with a shift first not; a kernel
+    without a loop is read whole."""
+    at_once = PTX.replace("WAIT", "wgmma.wait_group.sync.aligned 0;")
+    entries = hlo.ptx_entries(at_once)
+    assert list(entries) == ["kernel_a", "kernel_b"]
+    assert hlo.mma_code(entries["kernel_a"]) == hlo.MmaCode("wgmma", "m64n64k32", 2, 4, 1, 1)
+    assert hlo.mma_code(entries["kernel_b"]) == hlo.MmaCode("mma.sync", "m16n8k32", 1, 1, 0, 0)
+    later = PTX.replace("WAIT", "shl.b32 \t%r7, %r7, 1;\n\twgmma.wait_group.sync.aligned 0;")
+    assert hlo.mma_code(hlo.ptx_entries(later)["kernel_a"]) == hlo.MmaCode(
+        "wgmma", "m64n64k32", 2, 5, 1, 0
+    )
+
+
 def test_the_roofline_bytes_are_the_design_documents_at_the_default_model():
     cfg = run.make_config(run.parse_args(["--parallel_generations_per_gpu", "32768"]))
     training, inference = bench.roofline_bytes(cfg)
@@ -238,6 +283,13 @@ def test_target_report_gives_the_compiled_program_its_launches_and_a_modeled_spe
     with bench.without_compilation_cache():
         evaluate = run.make_evaluate(figures["cfg"], mesh).lower(params, rows).compile()
     integer_only(evaluate.as_text())
+    # the product kernel's MMA loop, read from its PTX
+    assert re.search(
+        r"^MMA loops \(PTX, each instruction once\): .*\bint8_product\w*: \d+ (wgmma|mma\.sync) "
+        r"m\d+n\d+k\d+, [\d,]+ integer instructions \([\d,]+ an MMA\)",
+        out,
+        re.M,
+    )
     for line in (
         "kernels per token:",
         "bytes per token and member:",
