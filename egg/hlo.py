@@ -370,7 +370,8 @@ class MmaCode(NamedTuple):
     runs: the loop around its MMAs where it has one, else the kernel): its MMA instructions (kind:
     "wgmma", Hopper's asynchronous warpgroup MMA, or "mma.sync"; "" where it has none), the integer
     instructions beside them, and of the wgmma groups committed, those waited for (wait_group 0)
-    before any other instruction: the tensor cores then overlap none of the integer work."""
+    before any instruction but register moves: the tensor cores then overlap none of the integer
+    work (ptxas may add waits of its own; it says so with -v)."""
 
     kind: str
     shape: str  # the MMA's shape, e.g. m64n128k32
@@ -421,10 +422,15 @@ def mma_code(lines: list[str]) -> MmaCode:
     shape = re.search(r"\.(m\d+n\d+k\d+)", mmas[0]).group(1) if mmas else ""
     instructions = [line for line in loop if not PTX_LABEL.match(line)]
     commits = [i for i, line in enumerate(instructions) if line.startswith("wgmma.commit_group")]
-    waited = sum(
-        i + 1 < len(instructions)
-        and instructions[i + 1].startswith("wgmma.wait_group.sync.aligned 0")
-        for i in commits
-    )
+
+    def at_once(i: int) -> bool:  # the wait comes before any work but register moves
+        for line in instructions[i + 1 :]:
+            if line.startswith("wgmma.wait_group.sync.aligned 0"):
+                return True
+            if not line.startswith("mov."):
+                return False
+        return False
+
+    waited = sum(at_once(i) for i in commits)
     integer = sum(op in PTX_INTEGER for op in opcodes)
     return MmaCode(kind, shape, len(mmas), integer, len(commits), waited)

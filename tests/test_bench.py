@@ -243,9 +243,9 @@ $L__BB0_1:
 
 def test_a_kernels_mma_loop_is_read_from_its_ptx_with_its_integer_work_and_waits():
     """A loop of 2 wgmmas in one group, beside 4 integer instructions (add, shr, min, setp; the max
-    after the loop is not in it): the group waited for at once, or with a shift first not; a kernel
-    without a loop is read whole."""
-    at_once = PTX.replace("WAIT", "wgmma.wait_group.sync.aligned 0;")
+    after the loop is not in it): the group waited for at once (a register move before the wait is
+    no work), or with a shift first not; a kernel without a loop is read whole."""
+    at_once = PTX.replace("WAIT", "mov.b32 \t%r8, %r9;\n\twgmma.wait_group.sync.aligned 0;")
     entries = hlo.ptx_entries(at_once)
     assert list(entries) == ["kernel_a", "kernel_b"]
     assert hlo.mma_code(entries["kernel_a"]) == hlo.MmaCode("wgmma", "m64n64k32", 2, 4, 1, 1)
