@@ -352,18 +352,26 @@ def early_stops():
     """SIGINT and SIGTERM from the command line's start until a run's StopSignal takes them: each
     raises Stopped at once (nothing is saved yet) and is recorded, so that one whose exception is
     lost still stops the run: raised while Python runs a garbage-collection callback (JAX has
-    one), an exception is reported ("Exception ignored in ...") and dropped, and the run would go
-    on. The StopSignal entered next starts with it received."""
+    one), an exception is dropped, and the run would go on. The StopSignal entered next starts
+    with it received. While entered, Python's report of such a dropped Stopped (a traceback,
+    "Exception ignored in ...") is not printed: the stop it carried is recorded where it was
+    raised, and the run ends in its one line all the same."""
 
     def handle(signum, frame):
         EARLY.append(signum)
         raise Stopped(signum, "before the run started: nothing saved")
 
+    def unraisable(report):  # Python's hook for an exception it cannot raise
+        if not isinstance(report.exc_value, Stopped):
+            hook(report)
+
     EARLY.clear()
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

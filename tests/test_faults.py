@@ -396,16 +396,19 @@ def test_a_folder_on_a_filesystem_without_locks_is_refused_in_one_line(tmp_path,
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop itself
-def test_a_stop_signal_whose_exception_python_drops_still_stops_the_run():
+def test_a_stop_signal_whose_exception_python_drops_still_stops_the_run(monkeypatch):
     """A signal whose exception is raised inside a garbage-collection callback (JAX has one) is
-    reported and dropped by Python: the run it came to stop must stop all the same. (Ctrl-C so
-    placed once left a run training on.)"""
+    dropped by Python: the run it came to stop must stop all the same (Ctrl-C so placed once left a
+    run training on), and without the traceback Python would print of it (which once broke the
+    one line of a Ctrl-C); another exception so dropped is still reported."""
 
     def collecting(phase, info):
         if phase == "start":
             os.kill(os.getpid(), signal.SIGINT)
             sum(range(1000))  # Python code: where the handler runs, and raises
 
+    reported = []  # what Python's hook for dropped exceptions is given to report
+    monkeypatch.setattr(sys, "unraisablehook", lambda report: reported.append(report.exc_value))
     with cluster.early_stops():
         gc.callbacks.append(collecting)
         try:
@@ -414,4 +417,16 @@ def test_a_stop_signal_whose_exception_python_drops_still_stops_the_run():
             gc.callbacks.remove(collecting)
         with cluster.StopSignal() as stop, pytest.raises(cluster.Stopped) as stopped:
             stop.check("while reading the data: nothing saved")
+        assert reported == []
+
+        def failing(phase, info):
+            if phase == "start":
+                raise ValueError("a fault of another kind")
+
+        gc.callbacks.append(failing)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(failing)
+        assert [type(e) for e in reported] == [ValueError]
     assert stopped.value.signum == signal.SIGINT
