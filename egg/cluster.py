@@ -371,6 +371,7 @@ def early_stops():
     try:
         yield
     finally:
+        EARLY.clear()  # its signals were this span's: a StopSignal made after it has received none
         sys.unraisablehook = hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)

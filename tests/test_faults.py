@@ -430,3 +430,4 @@ def test_a_stop_signal_whose_exception_python_drops_still_stops_the_run(monkeypa
             gc.callbacks.remove(failing)
         assert [type(e) for e in reported] == [ValueError]
     assert stopped.value.signum == signal.SIGINT
+    assert cluster.StopSignal().received is None  # the early signal ended with early_stops
