@@ -456,16 +456,14 @@ def compile_target(args: Args, part: str, options: dict | None = None) -> Target
 
 
 def dumped_mma_code(dump: Path) -> dict[str, hlo.MmaCode]:
-    """Each kernel whose PTX (as XLA dumps it) holds MMA instructions: {its name, with its MMA
-    shape where one name has several: its MMA loop's figures}. The product kernel's calls of other
-    shapes compile to kernels of one name."""
+    """Each kernel whose PTX (as XLA dumps it) holds MMA instructions, by name (numbered where two
+    modules name theirs alike): its MMA loop's figures, each distinct loop once."""
     found = {}
     for path in sorted(dump.glob("*.ptx")):
         for name, lines in hlo.ptx_entries(path.read_text()).items():
             code = hlo.mma_code(lines)
             if code.mmas and code not in found.values():
-                key = name if name not in found else f"{name} ({code.shape})"
-                found[key if key not in found else f"{key} #{len(found)}"] = code
+                found[name if name not in found else f"{name} #{len(found)}"] = code
     return found
 
 

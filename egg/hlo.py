@@ -357,6 +357,7 @@ def modeled_seconds(
 PTX_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
 PTX_LABEL = re.compile(r"^(\$\w+):")
 PTX_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$\w+);")
+PTX_MMA = ("wgmma.mma_async", "mma.")  # how an MMA instruction starts
 # integer arithmetic, comparisons, selections, conversions and byte permutations: CUDA-core work
 PTX_INTEGER = {
     "add", "sub", "mul", "mad", "mul24", "mad24", "sad", "div", "rem", "abs", "neg", "min", "max",
@@ -400,7 +401,7 @@ def ptx_entries(ptx: str) -> dict[str, list[str]]:
 def mma_loop(lines: list[str]) -> list[str]:
     """The innermost loop (a label and a later branch back to it) holding an MMA, else all."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := PTX_LABEL.match(line))}
-    mmas = [i for i, line in enumerate(lines) if line.startswith(("wgmma.mma_async", "mma."))]
+    mmas = [i for i, line in enumerate(lines) if line.startswith(PTX_MMA)]
     loops = [
         (labels[m.group(1)], i)
         for i, line in enumerate(lines)
@@ -415,12 +416,10 @@ def mma_loop(lines: list[str]) -> list[str]:
 
 def mma_code(lines: list[str]) -> MmaCode:
     """MmaCode of one kernel's instructions (ptx_entries)."""
-    loop = mma_loop(lines)
-    opcodes = [line.split()[0].split(".")[0] for line in loop if not PTX_LABEL.match(line)]
-    mmas = [line.split()[0] for line in loop if line.startswith(("wgmma.mma_async", "mma."))]
+    instructions = [line for line in mma_loop(lines) if not PTX_LABEL.match(line)]
+    mmas = [line.split()[0] for line in instructions if line.startswith(PTX_MMA)]
     kind = "" if not mmas else "wgmma" if mmas[0].startswith("wgmma") else "mma.sync"
     shape = re.search(r"\.(m\d+n\d+k\d+)", mmas[0]).group(1) if mmas else ""
-    instructions = [line for line in loop if not PTX_LABEL.match(line)]
     commits = [i for i, line in enumerate(instructions) if line.startswith("wgmma.commit_group")]
 
     def at_once(i: int) -> bool:  # the wait comes before any work but register moves
@@ -432,5 +431,5 @@ def mma_code(lines: list[str]) -> MmaCode:
         return False
 
     waited = sum(at_once(i) for i in commits)
-    integer = sum(op in PTX_INTEGER for op in opcodes)
+    integer = sum(line.split()[0].split(".")[0] in PTX_INTEGER for line in instructions)
     return MmaCode(kind, shape, len(mmas), integer, len(commits), waited)
