@@ -2,6 +2,8 @@
 process or in this one), its one-line errors, and calling run.py's replica-axis functions for a
 single model."""
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -68,6 +70,21 @@ def in_process(capsys, *flags) -> Result:
         code = exit.code
     out, err = capsys.readouterr()
     return Result(code, out, err)
+
+
+def run_here(*flags) -> Result:
+    """run.main(FLAGS) in this process, what it prints caught here rather than by capsys (which a
+    module's fixture cannot take): for a run that needs no process of its own (no signal, no kill,
+    no device count of its own), without an interpreter's start-up and the tracing this one has
+    done."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run.main(list(flags))
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 # The tiny run every end-to-end test trains: 8D-2L, population 16 in groups of 4, 8 bytes a member,

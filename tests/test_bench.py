@@ -120,24 +120,41 @@ def test_h100_products_are_32_deep_and_full_ranks_go_to_cublas(rank):
     assert bool(triton_gemm.search(text)) == (rank == "1") and ("__cublas" in text) == (rank == "0")
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(fast):
+@pytest.fixture(scope="module")
+def eight_h100s() -> bench.Target:
+    """The training step over 8 H100s of a 32D-1L model, 32 members on each, the sign shaping, 100
+    bytes a member in 8 segments (of 13 and 12 bytes: two loops of bytes), compiled once for the
+    tests that read it."""
+    flags = [*TINY, "--n_embd", "32", "--n_layer", "1", "--target", "h100", "--target_devices", "8"]
+    flags += ["--parallel_generations_per_gpu", "32", "--tokens_per_update", "100"]
+    flags += ["--segments", "8", "--shaping", "sign"]
+    return bench.compile_target(run.parse_args(flags, bench.Args), "train")
+
+
+def one_gather_a_generation(compiled, cfg, fast: bool):
     """docs/design.org: one all-gather of an int8 score per pair and segment (half a byte per
     member and segment), with normalised scores also the two int32 sums of the mean |difference|."""
-    shaping = "sign" if fast else "normalised"
-    # one layer: its program compiles in less time, and its collectives are the same
-    args = tiny_args(
-        *SMALL, "--shaping", shaping, "--parallel_generations_per_gpu", "16", n_layer=1
-    )
-    compiled, cfg, _ = compile_step(args, devices=8)
     traffic = hlo.collective_traffic(compiled.as_text())
     gathers = [size for op, size in traffic if op == "all-gather"]
-    assert cfg.population == 128 and gathers == [cfg.segments * cfg.population // 2], traffic
+    assert cfg.devices == 8 and gathers == [cfg.segments * cfg.population // 2], traffic
     others = [(op, size) for op, size in traffic if op != "all-gather"]
     assert {op for op, _ in others} <= {"all-reduce"} and sum(size for _, size in others) == 12 * (
         not fast
     )
     integer_only(compiled.as_text())
+
+
+def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(eight_h100s):
+    one_gather_a_generation(eight_h100s.compiled, eight_h100s.cfg, fast=True)
+
+
+def test_over_8_h100s_normalised_scores_add_the_two_sums_of_the_mean_difference():
+    # one layer: its program compiles in less time, and its collectives are the same
+    args = tiny_args(
+        *SMALL, "--shaping", "normalised", "--parallel_generations_per_gpu", "16", n_layer=1
+    )
+    compiled, cfg, _ = compile_step(args, devices=8)
+    one_gather_a_generation(compiled, cfg, fast=False)
 
 
 def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
@@ -316,7 +333,7 @@ def test_target_report_gives_the_compiled_program_its_launches_and_a_modeled_spe
     assert re.search(r"^launches per generation: XLA's default: [\d,]+ command buffers", out, re.M)
 
 
-def test_kernels_are_placed_in_their_loops_by_how_often_they_run():
+def test_kernels_are_placed_in_their_loops_by_how_often_they_run(eight_h100s):
     """A kernel that runs more often than there are segments runs every byte; more often than there
     are bytes, every byte and layer (the layers scanned, where XLA runs the products): read on the
     CPU's own compiled step, and on the program of 8 H100s, where XLA splits the loop of bytes and
@@ -336,9 +353,7 @@ def test_kernels_are_placed_in_their_loops_by_how_often_they_run():
     figures = bench.describe_program(hlo.gpu_kernels(text), cfg, 1)
     assert figures["per_token"] > figures["per_layer"] * cfg.n_layer > 0
     # segments of 13 and 12 bytes, four of each: two loops of bytes, 52 and 48 trips a generation
-    flags = [*TINY, "--n_embd", "32", "--n_layer", "1", "--target", "h100", "--target_devices", "8"]
-    flags += ["--parallel_generations_per_gpu", "32", "--tokens_per_update", "100"]
-    target = bench.compile_target(run.parse_args([*flags, "--segments", "8"], bench.Args), "train")
+    target = eight_h100s
     assert {k.runs for k in target.kernels if k.kind == "pallas"} == {48, 52}
     figures = bench.describe_program(target.kernels, target.cfg, 1)
     assert figures["per_layer"] == 0 and figures["per_token"] >= 6  # 6 product kernel calls

@@ -21,6 +21,7 @@ from helpers import (
     in_process,
     one_line_error,
     one_model_step,
+    run_here,
     thresholds,
 )
 
@@ -35,6 +36,12 @@ def start(*flags, runs):
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def ran(*flags, runs) -> tuple:
+    """The tiny run with these flags to its end in this process (helpers.run_here): (exit code,
+    stdout, stderr), as finish gives a process's."""
+    return run_here(*TINY, "--runs_dir", str(runs), *flags)
 
 
 def finish(proc, timeout=300):
@@ -69,7 +76,7 @@ LONG = ["--num_epochs", "150", "--save_every", "3", "--validate_every", "50"]
 def uninterrupted(tmp_path_factory):
     """The final checkpoint of an uninterrupted run with LONG flags, shared by the resume tests."""
     runs = tmp_path_factory.mktemp("uninterrupted")
-    code, _, err = finish(start(*LONG, runs=runs))
+    code, _, err = ran(*LONG, runs=runs)
     assert code == 0, err[-2000:]
     return checkpoint_dir(runs) / "gen-00000150"
 
@@ -95,7 +102,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, uninterrupted):
     saved = sorted(p.name for p in checkpoint_dir(tmp_path / "b").glob("gen-*"))
     assert saved[-1] < "gen-00000150"  # a save cut short may leave a hidden .gen-*.tmpPID folder
 
-    code, out, err = finish(start(*flags, "--resume", "auto", runs=tmp_path / "b"))
+    code, out, err = ran(*flags, "--resume", "auto", runs=tmp_path / "b")
     assert code == 0, err[-2000:]
     assert f"resuming from {checkpoint_dir(tmp_path / 'b') / saved[-1]}" in out  # the latest one
     assert not list(checkpoint_dir(tmp_path / "b").glob(".*tmp*"))  # leftovers of the kill removed
@@ -140,10 +147,10 @@ def test_a_sigkill_at_any_moment_then_a_resume_records_every_generation_once(tmp
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         finish(proc)
-    code, _, err = finish(start(*flags, "--resume", "auto", runs=runs))
+    code, _, err = ran(*flags, "--resume", "auto", runs=runs)
     assert code == 0, err[-2000:]
     assert logged(runs) == list(range(1, 31))
-    code, _, err = finish(start(*flags, runs=tmp_path / "whole"))
+    code, _, err = ran(*flags, runs=tmp_path / "whole")
     assert code == 0, err[-2000:]
     final = [checkpoint_dir(tmp_path / x) / "gen-00000030" for x in ("killed", "whole")]
     assert params_hash(final[0]) == params_hash(final[1])
@@ -153,7 +160,7 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
     """Corrupt the latest checkpoint, resume, kill, resume again: the same parameters as a run
     never interrupted, and the corrupt folder kept aside, shadowing no later save."""
     runs = tmp_path / "b"
-    code, _, err = finish(start("--num_epochs", "6", "--save_every", "3", runs=runs))
+    code, _, err = ran("--num_epochs", "6", "--save_every", "3", runs=runs)
     assert code == 0, err[-2000:]
     folder = checkpoint_dir(runs)
     (folder / "gen-00000006" / "params.npz").write_bytes(b"not a zip file")
@@ -168,7 +175,7 @@ def test_corrupt_latest_is_set_aside_and_the_run_still_ends_bit_identical(tmp_pa
     for saved in checkpoints.checkpoints_in(folder):
         params_hash(saved)
     assert (folder / (folder / "LATEST").read_text()).is_dir()
-    code, out, err = finish(start(*LONG, "--resume", "auto", runs=runs))
+    code, out, err = ran(*LONG, "--resume", "auto", runs=runs)
     assert code == 0 and "unreadable" not in out, err[-2000:]
     print(
         "uninterrupted", params_hash(uninterrupted), "corrupted, resumed, killed, resumed", end=" "
@@ -182,13 +189,11 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
     with an alpha schedule that is still decaying (T = 4) and noise and data at every generation,
     and the update rule's running sums carried over."""
     schedule = ["--alpha", "3", "--alpha_decay_timestep", "4", "--save_every", "6"]
-    code, _, err = finish(start(*schedule, "--num_epochs", "12", runs=tmp_path / "a"))
+    code, _, err = ran(*schedule, "--num_epochs", "12", runs=tmp_path / "a")
     assert code == 0, err[-2000:]
-    code, _, err = finish(start(*schedule, "--num_epochs", "6", runs=tmp_path / "b"))
+    code, _, err = ran(*schedule, "--num_epochs", "6", runs=tmp_path / "b")
     assert code == 0, err[-2000:]
-    code, out, err = finish(
-        start(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b")
-    )
+    code, out, err = ran(*schedule, "--num_epochs", "12", "--resume", "auto", runs=tmp_path / "b")
     assert code == 0 and "resuming from" in out and "generation 6" in out, err[-2000:]
     final = [checkpoint_dir(tmp_path / x) / "gen-00000012" for x in "ab"]
     print("12 at once", params_hash(final[0]), "6 then extended to 12", params_hash(final[1]))
@@ -197,9 +202,7 @@ def test_extended_run_continues_as_if_the_longer_run_had_been_asked_for(tmp_path
 
 
 def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsys):
-    code, _, err = finish(
-        start("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path)
-    )
+    code, _, err = ran("--num_epochs", "4", "--save_every", "2", "--run_name", "r", runs=tmp_path)
     assert code == 0, err[-2000:]
     base = [
         *TINY,
@@ -550,7 +553,7 @@ def test_keeps_the_last_k_and_the_best(tmp_path):
 
 
 def test_checkpoint_bad_input(tmp_path, capsys):
-    code, _, err = finish(start("--num_epochs", "4", "--save_every", "2", runs=tmp_path))
+    code, _, err = ran("--num_epochs", "4", "--save_every", "2", runs=tmp_path)
     assert code == 0, err[-2000:]
     folder = checkpoint_dir(tmp_path)
     base = [*TINY, "--runs_dir", str(tmp_path)]

@@ -117,10 +117,12 @@ def unigram_cross_entropy(train, rows):
 
 
 @pytest.mark.parametrize("rule", [["--optimizer", "momentum"], ["--algorithm", "upstream"]])
-def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, rule):
+def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, rule):
     """Random words from a vocabulary of 17: what follows a letter is mostly fixed, so a model
     that learns anything beats the unigram quickly. 200 generations of a 16D-1L model end near
-    3.5-3.9 bits/byte (momentum 3.50, upstream's Z-test 3.91; unigram 4.21)."""
+    2.9-3.9 bits/byte (momentum 2.86, upstream's Z-test 3.91; unigram 4.21). In a process of its
+    own with XLA's optimisations: its 200 generations run 5 times faster than conftest.py's
+    compile-bound settings run them."""
     words = (
         "the quick brown fox jumps over the lazy dog and a cat sat on the mat while birds sing"
     ).split()
@@ -139,7 +141,7 @@ def test_every_update_rule_learns_below_unigram_on_word_salad(tmp_path, capsys, 
         "--num_epochs 200 --tokens_per_update 64 --validation_batch_size 16 "
         "--validation_tokens 256 --save_every 0"
     ).split()
-    result = in_process(capsys, *flags, *rule)
+    result = cli(*flags, *rule, env=optimised_env())
     assert result.returncode == 0, result.stderr[-2000:]
     score = float(re.findall(r"validation bits/byte ([0-9.]+)", result.stdout)[-1])
     args = run.parse_args([*flags, *rule])

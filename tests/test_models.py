@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, TINY, in_process
 from test_bench import benchmark_args
-from test_checkpoints import checkpoint_dir, finish, kill_once_saved, start
+from test_checkpoints import checkpoint_dir, kill_once_saved, ran, start
 
 import bench
 import run
@@ -53,7 +53,7 @@ def test_a_killed_transformer_run_resumes_exactly(tmp_path, capsys):
     given = [*MODELS["transformer"], "--num_epochs", "150", "--save_every", "3"]
     train(capsys, tmp_path / "whole", *given)
     kill_once_saved(start(*given, runs=tmp_path / "b"), tmp_path / "b", 6)
-    code, out, err = finish(start(*given, "--resume", "auto", runs=tmp_path / "b"))
+    code, out, err = ran(*given, "--resume", "auto", runs=tmp_path / "b")
     assert code == 0 and "resuming from" in out, err[-2000:]
     (whole,) = (tmp_path / "whole").glob("*/checkpoints/gen-00000150")
     resumed = checkpoint_dir(tmp_path / "b") / "gen-00000150"
