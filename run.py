@@ -2031,6 +2031,12 @@ def on_population(local, mesh: jax.sharding.Mesh, cfg: Config):
     )
 
 
+# The jitted programs are made once per configuration (and mesh) in a process, as make_reader's and
+# make_activations' are: a process that trains again (a resumed run, PBT's replicas, the tests)
+# traces, lowers and compiles nothing twice.
+
+
+@cache
 def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
     """One generation of every replica as one jitted call:
 
@@ -2057,6 +2063,7 @@ def make_generation_step(cfg: Config, mesh: jax.sharding.Mesh):
     return on_population(local, mesh, cfg)
 
 
+@cache
 def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, T + 1)
     uint8) -> (K, R), the rows spread over the devices (R a multiple of twice their number),
@@ -2077,11 +2084,17 @@ def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
     return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, REPLICATED))
 
 
+@cache
+def make_init(cfg: Config):
+    """init(seeds (K,) int32) -> each replica's fresh parameters, jitted."""
+    return jax.jit(every_replica(partial(init_params, cfg)))
+
+
 def init_run(cfg: Config, replicas: list[Replica]):
     """(params, rule_state, states) of a fresh run, each with the leading replica axis: each
     replica's parameters from its own seed, update rule state from 0, states at zero."""
     seeds = jnp.array([r.seed for r in replicas], i32)
-    params = jax.jit(every_replica(partial(init_params, cfg)))(seeds)
+    params = make_init(cfg)(seeds)
     stack = partial(jax.tree.map, lambda x: jnp.broadcast_to(x, (cfg.replicas,) + x.shape))
     state_shape = MODELS[cfg.model].state(cfg)
     states = jnp.zeros((cfg.replicas, cfg.population) + state_shape, jnp.int8)

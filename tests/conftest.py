@@ -65,5 +65,26 @@ def repository_untouched():
     assert repository_state() == before, "the tests wrote into the repository"
 
 
+@pytest.fixture(autouse=True)
+def programs_traced_afresh_around_a_patch(request):
+    """run.py makes each jitted program once per configuration in a process (make_generation_step,
+    make_reader, ...): a test that patches what those programs trace (run.matmul, kernel.product,
+    a table's entry) gets its own, and leaves none traced with its patch behind."""
+    patches = "monkeypatch" in request.fixturenames
+    if patches:
+        forget_programs()
+    yield
+    if patches:
+        forget_programs()
+
+
+def forget_programs():
+    import run
+
+    for made in vars(run).values():
+        if hasattr(made, "cache_clear"):
+            made.cache_clear()
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SCRATCH, ignore_errors=True)
