@@ -41,6 +41,9 @@ class Args(run.Args):
     timing (targets/ holds its description)"""
     target_devices: Annotated[int, *flag("[1, inf)")] = 1
     """with --target: GPUs the population is spread over (the sharded program of one of them)"""
+    products: Literal[("", *run.PRODUCT_CANDIDATES)] = ""
+    """with --target: the products as this candidate of --kernels auto computes them (what a GPU
+    would time: run.PRODUCT_CANDIDATES); "" the kernel as it computes unless told"""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,10 +443,19 @@ def dumped_launches(dump: Path, text: str) -> hlo.Launches | None:
     return hlo.launches(sequences[-1].read_text(), metadata[-1].read_text(), text)
 
 
+def target_config(args: Args, mesh) -> run.Config:
+    """The run's configuration on the target's mesh (each GPU counts as one device), its products
+    as --products says."""
+    cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)
+    if args.products:
+        cfg = run.as_candidate(cfg, args.products, mesh.devices.flat[0].platform)
+    return cfg
+
+
 def compile_target(args: Args, part: str, options: dict | None = None) -> Target:
     """A step compiled for --target with these XLA options (COMMAND_BUFFERS' entries)."""
     mesh = target_mesh(args.target, args.target_devices)
-    cfg = run.mesh_config(replace(args, cpu_devices=1), mesh)  # GPUs: each counts as one
+    cfg = target_config(args, mesh)
     run.check_bounds(cfg)
     tick = time.time()
     with without_compilation_cache(), tempfile.TemporaryDirectory() as dump:

@@ -666,7 +666,12 @@ def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = ""
     options = dict(
         interpret=w.interpret, arithmetic=arithmetic, replicas=w.replicas, options=w.options
     )
-    out = kernel.product(as_rows(x), *operands, w.sides.shift, index, gains, added, **options)
+    stacked, a, b = operands
+    if a is not None and not w.options.sums_noise:  # XLA sums x B, once a row and matrix
+        v = layer_norm(x, at(w.params[gain])) if gain else x
+        xb = jnp.einsum("rdsn,gdn->gsrd", v, b[:, index], preferred_element_type=i32)
+        options["xb"], b = xb.reshape(xb.shape[:2] + (pairs,)), None
+    out = kernel.product(as_rows(x), stacked, a, b, w.sides.shift, index, gains, added, **options)
     return [o.reshape(x.shape[:-1] + (m,)) for o in out]
 
 
@@ -2307,6 +2312,11 @@ def mesh_config(args: Args, mesh: jax.sharding.Mesh) -> Config:
 PRODUCT_CANDIDATES = {
     "the kernel": ("pallas", kernel.DEFAULT),
     "the kernel, layer norms before it": ("pallas", kernel.Options(normalises=False)),
+    # layer norms and the noise's x B by XLA before it: its loop its MMAs alone
+    "the kernel, its products alone": (
+        "pallas",
+        kernel.Options(normalises=False, sums_noise=False),
+    ),
     "XLA's products": ("xla", kernel.DEFAULT),
 }
 PRODUCTS_KEPT = "product_choices.json"  # the choices, beside the compilation cache (autotune.py)

@@ -40,10 +40,14 @@ TILE_DEPTH_MIN = 32
 class Options(NamedTuple):
     """How the kernel computes, none of which changes an integer (each is a candidate of run.py's
     --kernels auto): whether it layer-normalises its inputs itself, in every tile of outputs (else
-    its caller gives them normalised, once a row, before it); the tile rule's least programs a
-    streaming multiprocessor (SM) and widest tile of outputs (tiles); a program's warps."""
+    its caller gives them normalised, once a row, before it); whether it sums x B, the rank-1
+    noise's inner product, itself, chunk by chunk beside its MMAs (else its caller gives each row's,
+    summed once a row and matrix before it, and the kernel's loop holds its MMAs alone); the tile
+    rule's least programs a streaming multiprocessor (SM) and widest tile of outputs (tiles); a
+    program's warps."""
 
     normalises: bool = True
+    sums_noise: bool = True
     programs_per_sm: int = PROGRAMS_PER_SM
     columns: int = TILE_COLUMNS
     warps: int = WARPS
@@ -126,14 +130,15 @@ def programs(replicas: int, groups: int, pairs: int, m: int, sides: int, rows: i
 def int8_product(
     *refs,
     noisy: bool,
+    summed: bool,
     gained: bool,
     added: bool,
     tile: tuple,
     arithmetic: Arithmetic,
 ):
     """One program of product()'s grid: the refs of its operands' blocks (specs) and its output's
-    block; noisy: with rank-1 factors; gained: with a layer norm's gain; added: with a residual;
-    tile (rows, columns, depth, n)."""
+    block; noisy: with rank-1 factors; summed: their x B given (else b, summed here); gained: with
+    a layer norm's gain; added: with a residual; tile (rows, columns, depth, n)."""
     from jax.experimental import pallas as pl
 
     rows, columns, depth, n = tile
@@ -169,22 +174,25 @@ def int8_product(
         weights = w_ref[0, at, :, columns_of(k)]
         contract = (((1,), (1,)), ((), ()))
         acc = acc + jax.lax.dot_general(chunk, weights, contract, preferred_element_type=i32)
-        if noisy:
+        if noisy and not summed:
             factors = b_ref[0, at, :, columns_of(k)].astype(i32)
             xb = xb + jnp.sum(chunk.astype(i32) * factors, 1)
         return acc, xb
 
     zeros = (jnp.zeros((rows, columns), i32), jnp.zeros((rows,), i32))
     acc, xb = jax.lax.fori_loop(0, n // depth, accumulate, zeros)
+    if summed:  # its rows' x B, summed before the kernel
+        xb = b_ref[0, 0, :]
     if noisy:  # this side's rank-1 term
         acc = acc + arithmetic.noise_term(xb[:, None], a_ref[0, at][..., None], sign, shift_ref[0])
     out = arithmetic.rescale(acc, n)
     out_ref[0] = out if not added else arithmetic.add(out, residual_ref[...])
 
 
-def specs(x, w, a, b, shift, layer, gain, residual, tile: tuple[int, int, int]):
+def specs(x, w, a, b, shift, layer, gain, residual, tile: tuple[int, int, int], summed: bool):
     """product()'s operands and the block of each that a program of its grid (matrix g, pair tile
-    i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n inputs."""
+    i, column tile j, side s) reads, for tiles of (rows, columns) outputs over n inputs; b the
+    rows' x B (G, S, Q) where summed."""
     from jax.experimental import pallas as pl
 
     rows, columns, n = tile
@@ -205,7 +213,9 @@ def specs(x, w, a, b, shift, layer, gain, residual, tile: tuple[int, int, int]):
     if a is not None:
         in_specs += [
             spec((1, layers, rows, columns), lambda g, i, j, s: (g, 0, pair(i), j)),
-            spec((1, layers, rows, n), lambda g, i, j, s: (g, 0, pair(i), 0)),
+            spec((1, 1, rows), lambda g, i, j, s: (g, s, i))
+            if summed
+            else spec((1, layers, rows, n), lambda g, i, j, s: (g, 0, pair(i), 0)),
             spec((1,), lambda g, i, j, s: (0,)),
         ]
         operands += [a, b, jnp.reshape(shift, (1,)).astype(i32)]
@@ -222,14 +232,15 @@ def specs(x, w, a, b, shift, layer, gain, residual, tile: tuple[int, int, int]):
     return in_specs, operands
 
 
-def cost(x, w, a, b, gain, residual, out):
+def cost(x, w, a, b, gain, residual, out, summed: bool):
     """The cost one product() call declares (Pallas's CostEstimate: 2 operations a MAC): the bytes
-    of one layer of each stacked operand (the call reads only `layer`'s), the residual and the
-    output whole."""
+    of one layer of each stacked operand (the call reads only `layer`'s), the rows' x B (summed),
+    the residual and the output whole."""
     from jax.experimental import pallas as pl
 
     layers = w.shape[1]
-    stacked = sum(o.nbytes // layers for o in (w, a, b, gain) if o is not None)  # one layer of each
+    stacked = sum(o.nbytes // layers for o in (w, a, gain) if o is not None)  # one layer of each
+    stacked += 0 if b is None else b.nbytes if summed else b.nbytes // layers
     outputs = math.prod(out.shape)  # int8, written whole, as the residual is read whole
     residual_bytes = residual.nbytes if residual is not None else 0
     moved = x.nbytes + stacked + residual_bytes + outputs
@@ -252,13 +263,16 @@ def product(
     replicas: int = 1,
     tile=None,
     options: Options = DEFAULT,
+    xb=None,
 ):
     """One replica's members' int8 products with G matrices: out[g] = rescale(x' W_g^T + noise
     term), x' the layer norm of x (with a gain) or x, plus the residual (with one), each as
     `arithmetic` says.
 
     x (Q, S n) int8; w (G, L, m, n); a (G, L, D, m) and b (G, L, D, n): the pairs' rank-1 factors
-    (None: noise-free); shift () int32, the replica's sigma_shift; layer () int32; gain (L, D, S n),
+    (None: noise-free), or in b's place xb (G, S, Q) int32, each row's x' B of this layer summed
+    before (Options.sums_noise false); shift () int32, the replica's sigma_shift; layer () int32;
+    gain (L, D, S n),
     (L, 1, n) (every row's) or None; residual (Q, S m) or None. Returns (G, Q, S m). A program
     (int8_product) computes a tile of pairs and outputs of one side of one matrix: `tile`'s (rows,
     columns, depth), or the rule's (tiles, for `replicas` replicas mapped over the call) where None,
@@ -273,14 +287,17 @@ def product(
     distinct = a.shape[2] if noisy else pairs
     rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides, options)
     column_tiles = m // columns
-    kinds = dict(noisy=noisy, gained=gain is not None, added=residual is not None)
+    summed = xb is not None
+    b = xb if summed else b
+    kinds = dict(noisy=noisy, summed=summed, gained=gain is not None, added=residual is not None)
     program = partial(
         int8_product,
         **kinds,
         tile=(rows, columns, depth, n),
         arithmetic=arithmetic,
     )
-    in_specs, operands = specs(x, w, a, b, shift, layer, gain, residual, (rows, columns, n))
+    tile_shape = (rows, columns, n)
+    in_specs, operands = specs(x, w, a, b, shift, layer, gain, residual, tile_shape, summed)
     out = jax.ShapeDtypeStruct((groups, pairs, sides * m), jnp.int8)
     compiler = None
     if not interpret:
@@ -296,7 +313,7 @@ def product(
         out_specs=pl.BlockSpec((1, rows, columns), place),
         interpret=interpret,
         compiler_params=compiler,
-        cost_estimate=cost(x, w, a, b, gain, residual, out),
+        cost_estimate=cost(x, w, a, b, gain, residual, out, summed),
     )(*operands)
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, tiny_args
+from helpers import TINY
 
 import bench
 import run
@@ -20,11 +20,17 @@ from egg.flags import flag_given
 
 FLOAT_TYPES = ("f16", "bf16", "f32", "f64")
 SMALL = ["--n_embd", "16", "--parallel_generations_per_gpu", "64", "--segments", "2"]
+PRODUCTS_ALONE = "the kernel, its products alone"  # layer norms and x B by XLA before the kernel
+
+
+def target_args(*given, **changes) -> bench.Args:
+    """bench.py's Args of the tiny run (TINY), with more flags and changed fields."""
+    return flags.replace(run.parse_args([*TINY, *given], bench.Args), **changes)
 
 
 def compile_step(args, part="train", devices=1):
     mesh = bench.target_mesh("h100", devices)
-    cfg = run.mesh_config(args, mesh)
+    cfg = bench.target_config(args, mesh)
     step = bench.make_step(cfg, mesh, part)
     with bench.without_compilation_cache():
         return step.lower(*bench.abstract_inputs(args, cfg, mesh)).compile(), cfg, mesh
@@ -58,18 +64,20 @@ def integer_only(text: str) -> None:
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--algorithm", "upstream", "--model", "mingru"],
+        ["--algorithm", "upstream", "--model", "mingru", "--products", PRODUCTS_ALONE],
         ["--replicas", "2", "--replica_sigma_shift", "3", "5", "--model", "transformer"]
         + ["--head_width", "8"],
     ],
 )
 def test_the_h100_step_is_integer_only_with_donated_inputs_and_bounded_temporaries(flags):
     """Upstream's algorithm, replicas and the two other models (two at a time: each compile takes
-    seconds); the defaults' step: in the target report's test, which compiles it."""
+    seconds), the first with the products of --kernels auto's candidate whose kernel computes
+    products alone; the defaults' step: in the target report's test, which compiles it."""
     # 6 segments of 2 bytes: segments of one length compile one loop of bytes (8 bytes in 6
     # segments would be two loops, of 2 and of 1 byte, and twice the compile time)
-    args = tiny_args(*SMALL, "--segments", "6", "--tokens_per_update", "12", *flags)
+    args = target_args(*SMALL, "--segments", "6", "--tokens_per_update", "12", *flags)
     compiled, cfg, _ = compile_step(args)
+    assert cfg.kernel_options.sums_noise == (PRODUCTS_ALONE not in flags)
     integer_only_donated_and_bounded(compiled, args, cfg)
 
 
@@ -107,7 +115,7 @@ def test_h100_products_are_32_deep_and_full_ranks_go_to_cublas(rank):
     cuBLAS's gave the CPU's bits: --rank 0 compiles without them; rank 1, whose Triton GEMMs were
     right, keeps them (XLA's products here: the kernel takes none of rank 0's)."""
     flags = ("--n_embd", "16", "--parallel_generations_per_gpu", "16", "--segments", "1")
-    compiled, _, _ = compile_step(tiny_args(*flags, "--rank", rank, "--kernels", "xla"))
+    compiled, _, _ = compile_step(target_args(*flags, "--rank", rank, "--kernels", "xla"))
     text = compiled.as_text()
     integer_only(text)
     found = []
@@ -150,7 +158,7 @@ def test_over_8_h100s_the_one_gather_a_generation_is_every_pairs_int8_score(eigh
 
 def test_over_8_h100s_normalised_scores_add_the_two_sums_of_the_mean_difference():
     # one layer: its program compiles in less time, and its collectives are the same
-    args = tiny_args(
+    args = target_args(
         *SMALL, "--shaping", "normalised", "--parallel_generations_per_gpu", "16", n_layer=1
     )
     compiled, cfg, _ = compile_step(args, devices=8)

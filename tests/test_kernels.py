@@ -126,7 +126,7 @@ def counting_kernel_calls(monkeypatch) -> list:
 # each of --kernels auto's candidates that runs the kernel (run.PRODUCT_CANDIDATES), with flags
 AS_A_GPU = [
     ([], "the kernel"),
-    (["--algorithm", "upstream"], "the kernel"),
+    (["--algorithm", "upstream"], "the kernel, its products alone"),
     (["--residual_shift", "1"], "the kernel, layer norms before it"),
 ]
 
