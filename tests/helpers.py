@@ -63,13 +63,18 @@ def in_process(capsys, *flags) -> Result:
     """run.main(FLAGS) in this process, without a new interpreter's start-up (most of a short
     subprocess's time is `import jax`): its exit code and what it printed."""
     capsys.readouterr()
-    try:
-        run.main(list(flags))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
+    code = main_code(flags)
     out, err = capsys.readouterr()
     return Result(code, out, err)
+
+
+def main_code(flags) -> int:
+    """run.main(FLAGS)'s exit code: 0, or the code it exits with."""
+    try:
+        run.main(list(flags))
+        return 0
+    except SystemExit as exit:
+        return exit.code
 
 
 def run_here(*flags) -> Result:
@@ -79,11 +84,7 @@ def run_here(*flags) -> Result:
     done."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            run.main(list(flags))
-            code = 0
-        except SystemExit as exit:
-            code = exit.code
+        code = main_code(flags)
     return Result(code, out.getvalue(), err.getvalue())
 
 
