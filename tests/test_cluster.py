@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY, checkpoint_digest
+from helpers import ROOT, TINY, checkpoint_digest, run_here
 
 from egg import supervisor
 
@@ -47,6 +47,18 @@ def launch(devices, flags, runs):
     )
 
 
+class RunHere:
+    """run.py on this process's one device (conftest.py's), run to its end here, without an
+    interpreter's start-up, and read as a process that has ended: for the layout of one device,
+    started after the others so that it runs beside them."""
+
+    def __init__(self, flags, runs):
+        self.returncode, self.out, self.err = run_here(*COMMON, "--runs_dir", str(runs), *flags)
+
+    def communicate(self, timeout=None):
+        return self.out, self.err
+
+
 def wait(*procs, code=0):
     """Every process's output, once all have ended well (exit `code`)."""
     outs = []
@@ -70,13 +82,18 @@ def two_processes(flags, runs, members: int = 16):
     return [launch(2, [*flags, *each, *hosts, str(i)], runs) for i in (0, 1)]
 
 
-def layouts(flags, runs):
-    """The same total population of 64 as 1 device, 4 devices, and 2 processes x 2 devices,
-    all started at once: {layout: its processes}."""
+def layouts(flags, runs, four=True):
+    """The same total population of 64 as 2 processes x 2 devices, 4 devices in one process
+    (unless not `four`) and 1 device, all at once (the last in this process): {layout: its
+    processes}."""
+    started = {"two": two_processes(flags, runs / "two")}
+    if four:
+        started["four"] = [
+            launch(4, [*flags, "--parallel_generations_per_gpu", "16"], runs / "four")
+        ]
     return {
-        "one": [launch(1, [*flags, "--parallel_generations_per_gpu", "64"], runs / "one")],
-        "four": [launch(4, [*flags, "--parallel_generations_per_gpu", "16"], runs / "four")],
-        "two": two_processes(flags, runs / "two"),
+        "one": [RunHere([*flags, "--parallel_generations_per_gpu", "64"], runs / "one")],
+        **started,
     }
 
 
@@ -96,15 +113,16 @@ def records(runs):
 @pytest.mark.parametrize("model", [[], ["--model", "transformer", "--head_width", "4"]])
 def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path, model):
     """With --segments 2: each device evaluates its members' slice of every segment's noise; a
-    window model's states, which hold nothing, spread with the members all the same."""
+    window model's states, which hold nothing, spread with the members all the same (its 4
+    devices in one process, the sharded program of the 2 processes without them, are not run)."""
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2", *model]
-    procs = layouts(flags, tmp_path)
+    procs = layouts(flags, tmp_path, four=not model)
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert (
         "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs"
         in outs["one"]
     )
-    assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
+    assert model or "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
     assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
     hashes = {layout: digest(tmp_path / layout, 3) for layout in procs}
     validation = {
@@ -131,10 +149,10 @@ def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_pat
         "64",
     ]
     procs = {
-        "one": [launch(1, flags, tmp_path / "one")],
         "four": [launch(None, [*flags, "--cpu_devices", "4"], tmp_path / "four")],
         "auto": [launch(None, flags, tmp_path / "auto")],
     }
+    procs["one"] = [RunHere(flags, tmp_path / "one")]
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs["one"]
     assert (
@@ -184,7 +202,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     assert not [out for out in outs if "after 100000 generations" in out]
     longer = ["--num_epochs", str(generation + 2)]
     resumed = two_processes([*longer, "--resume", "auto"], tmp_path / "stopped")
-    reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
+    reference = RunHere([*longer, "--parallel_generations_per_gpu", "64"], tmp_path / "reference")
     outs = wait(*resumed, reference)
     assert "resuming from" in outs[0] and f"at generation {generation}" in outs[0]
     assert digest(tmp_path / "stopped", generation + 2) == digest(
@@ -397,10 +415,10 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     )
     newest = int(saved[-1].split("-")[1])
     longer = ["--run_name", "r", "--num_epochs", str(newest + 4)]
-    resumed = launch(
-        1, [*longer, "--parallel_generations_per_gpu", "64", "--resume", "auto"], tmp_path / "lost"
-    )
     reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
+    resumed = RunHere(
+        [*longer, "--parallel_generations_per_gpu", "64", "--resume", "auto"], tmp_path / "lost"
+    )
     outs = wait(resumed, reference)
     assert f"resuming from {checkpoints / saved[-1]} at generation {newest}" in outs[0]
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in outs[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import TINY, cli, in_process, one_line_error
-from test_cluster import launch, two_processes, wait
+from test_cluster import RunHere, two_processes, wait
 
 import run
 from egg import checkpoints, pbt
@@ -197,10 +197,8 @@ def test_pbt_replicas_on_one_and_two_by_two_devices_agree_bit_for_bit(tmp_path):
     """One device against 2 processes x 2 devices (4 devices in one process is the same sharded
     program without the processes, and test_cluster.py checks it for a single run)."""
     flags = [*FOUR_PBT, "--num_epochs", "4", "--num_perturbations", "8", "--save_every", "0"]
-    procs = {
-        "one": [launch(1, [*flags, "--parallel_generations_per_gpu", "32"], tmp_path / "one")],
-        "two": two_processes(flags, tmp_path / "two", members=8),
-    }
+    procs = {"two": two_processes(flags, tmp_path / "two", members=8)}
+    procs["one"] = [RunHere([*flags, "--parallel_generations_per_gpu", "32"], tmp_path / "one")]
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert "4 replicas of" in outs["two"] and "on 4 cpu device(s) in 2 process(es)" in outs["two"]
     got = {layout: arrays(final(tmp_path / layout, 4)) for layout in procs}
