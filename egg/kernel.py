@@ -272,12 +272,12 @@ def product(
     x (Q, S n) int8; w (G, L, m, n); a (G, L, D, m) and b (G, L, D, n): the pairs' rank-1 factors
     (None: noise-free), or in b's place xb (G, S, Q) int32, each row's x' B of this layer summed
     before (Options.sums_noise false); shift () int32, the replica's sigma_shift; layer () int32;
-    gain (L, D, S n), (L, 1, n) (every row's) or None; residual (Q, S m) or None. Returns (G, Q, S
-    m). A program
-    (int8_product) computes a tile of pairs and outputs of one side of one matrix: `tile`'s (rows,
-    columns, depth), or the rule's (tiles, for `replicas` replicas mapped over the call) where None,
-    in the options' warps; the same integers any way (scripts/gpu_check.py times them). The
-    options' `normalises` is the caller's to honour: a gain here is always applied."""
+    gain (L, D, S n), (L, 1, n) (every row's) or None; residual (Q, S m) or None. Returns
+    (G, Q, S m). A program (int8_product) computes a tile of pairs and outputs of one side of one
+    matrix: `tile`'s (rows, columns, depth), or the rule's (tiles, for `replicas` replicas mapped
+    over the call) where None, in the options' warps; the same integers any way
+    (scripts/gpu_check.py times them). The options' `normalises` is the caller's to honour: a gain
+    here is always applied."""
     from jax.experimental import pallas as pl
 
     pairs = x.shape[0]

@@ -202,7 +202,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     assert not [out for out in outs if "after 100000 generations" in out]
     longer = ["--num_epochs", str(generation + 2)]
     resumed = two_processes([*longer, "--resume", "auto"], tmp_path / "stopped")
-    reference = RunHere([*longer, "--parallel_generations_per_gpu", "64"], tmp_path / "reference")
+    reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
     outs = wait(*resumed, reference)
     assert "resuming from" in outs[0] and f"at generation {generation}" in outs[0]
     assert digest(tmp_path / "stopped", generation + 2) == digest(
