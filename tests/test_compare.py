@@ -6,13 +6,36 @@ import statistics
 import sys
 
 import pytest
-from helpers import CACHE, ROOT
+from helpers import CACHE, ROOT, run_here
 
 sys.path.insert(0, str(ROOT))
 import compare  # noqa: E402
 
 
-def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, capsys):
+@pytest.fixture
+def runs_in_this_process():
+    """compare.train running run.py's commands in this process, their lines kept in the log as
+    compare.train keeps them: without a new interpreter's start-up and the tracing this one has
+    done. The backprop baselines still go through compare.train, in processes of their own.
+    Patched by hand, not by monkeypatch, which would have run.py's programs traced afresh
+    (conftest.py): nothing they trace changes."""
+    train = compare.train
+
+    def train_here(command, log):
+        if not command[1].endswith("run.py"):
+            return train(command, log)
+        done = run_here(*command[2:])
+        log.write_text(done.stdout)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    compare.train = train_here
+    yield
+    compare.train = train
+
+
+def test_the_table_holds_each_variants_mean_and_spread_over_seeds(
+    tmp_path, capsys, runs_in_this_process
+):
     corpus = tmp_path / "text_train.bin"
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
     (tmp_path / "text_valid.bin").write_bytes(b"a lazy dog sleeps while the quick fox jumps. " * 20)
@@ -68,7 +91,9 @@ def test_the_table_holds_each_variants_mean_and_spread_over_seeds(tmp_path, caps
         compare.compare(other)
 
 
-def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(tmp_path):
+def test_a_variant_with_replicas_reports_its_best_and_its_median_replica(
+    tmp_path, runs_in_this_process
+):
     corpus = tmp_path / "text_train.bin"
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
     tiny = "--n_embd 8 --n_layer 1 --parallel_generations_per_gpu 16 --tokens_per_update 8"
@@ -115,7 +140,9 @@ def test_bad_variants_and_reporting_points_are_refused():
         compare.compare(compare.CompareArgs(report_at=(150,), validate_every=100))
 
 
-def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant(tmp_path):
+def test_backprop_baselines_join_the_table_and_the_plot_holds_a_line_per_variant(
+    tmp_path, runs_in_this_process
+):
     """A run.py variant and the two backprop baselines (baselines/backprop.py) on one corpus: each
     parses into the table, the training-bytes column reads each run's own bytes, and the plot
     (written, then read back) has one curve per variant in each of its three panels, besides the

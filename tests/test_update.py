@@ -239,12 +239,20 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     assert abs(share - alpha) < 0.05, share
 
 
+# run.z_statistic (and the momentum rule's step below) compiled with XLA's optimisations, which
+# conftest.py turns off for the whole process: the null's Z over tens of millions of noise values
+# runs 3-4x faster so, and its integer results do not depend on them
+OPTIMISED = {"xla_backend_optimization_level": 3}
+z_statistic = jax.jit(run.z_statistic, static_argnums=2, compiler_options=OPTIMISED)
+
+
 def null_z(cfg, rng, pairs, entries, fitness=None, checked=True):
     """One generation under the null: scores shaped from fitness unrelated to the noise (normal
     unless given), and Z of `entries` matrix entries and `entries` vector entries drawn from the
-    noise tables, each from run.z_statistic and (`checked`) checked against a plain numpy sum of
-    docs/design.org's terms (float64: exact below 2**53): the first 1,000 entries of each kind
-    at --rank 0, every low-rank matrix entry. Returns them and the sum of squared scores."""
+    noise tables, each from run.z_statistic (compiled as above) and (`checked`) checked against a
+    plain numpy sum of docs/design.org's terms (float64: exact below 2**53): the first 1,000 entries
+    of each kind at --rank 0, every low-rank matrix entry. Returns them and the sum of squared
+    scores."""
     tables = run.make_tables(cfg.rank)
 
     def draw(table, shape):
@@ -258,7 +266,7 @@ def null_z(cfg, rng, pairs, entries, fitness=None, checked=True):
     shaped = np.asarray(run.shape_fitness(jnp.asarray(fitness), cfg))
     weights = jnp.asarray(shaped, jnp.int32)
     vector = draw(tables.gauss, (pairs, entries))
-    z_vector = np.asarray(run.z_statistic(jnp.asarray(vector), weights, cfg))
+    z_vector = np.asarray(z_statistic(jnp.asarray(vector), weights, cfg))
     if checked:  # the first thousand entries (float64 copies of them all cost more than Z)
         np.testing.assert_array_equal(z_vector[:1000], shaped @ plain(vector[:, :1000]))
     side = math.isqrt(entries)
@@ -267,7 +275,7 @@ def null_z(cfg, rng, pairs, entries, fitness=None, checked=True):
             draw(tables.gauss, (pairs, side, cfg.rank)),
             draw(tables.gauss_rank, (pairs, side, cfg.rank)),
         )
-        z_matrix = np.asarray(run.z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
+        z_matrix = np.asarray(z_statistic((jnp.asarray(a), jnp.asarray(b)), weights, cfg))
         if not checked:
             return z_matrix.ravel(), z_vector, int(np.sum(shaped.astype(np.int64) ** 2))
         product = shaped[:, None, None].astype(np.int64) * plain(a).astype(np.int64)
@@ -277,7 +285,7 @@ def null_z(cfg, rng, pairs, entries, fitness=None, checked=True):
         )
     else:  # --rank 0: a matrix entry has one full-rank noise value, as a vector entry does
         full = draw(tables.gauss, (pairs, side, side))
-        z_matrix = np.asarray(run.z_statistic(jnp.asarray(full), weights, cfg))
+        z_matrix = np.asarray(z_statistic(jnp.asarray(full), weights, cfg))
         want = shaped @ plain(full.reshape(pairs, -1)[:, :1000])
     np.testing.assert_array_equal(z_matrix.ravel()[: want.size], want.ravel())
     return z_matrix.ravel(), z_vector, int(np.sum(shaped.astype(np.int64) ** 2))
@@ -418,7 +426,7 @@ def test_momentum_thresholds_are_calibrated_under_the_null(momentum_shift, fast)
     thresholds, shifts, stds = z_thresholds(args, cfg)[0], u_shifts(cfg), run.null_std(cfg)
     rule = run.RULES["momentum"]
 
-    @partial(jax.jit, static_argnums=3)
+    @partial(jax.jit, static_argnums=3, compiler_options=OPTIMISED)
     def step(z, m, threshold, index):  # one kind's: its null std is a constant of the rule
         evidence = run.Evidence(threshold, stds[index], jnp.zeros(1, jnp.int32), 0.0)
         moves, kept_state = rule.step(z, {"m": m}, evidence, cfg.rule_flags)
