@@ -44,6 +44,13 @@ def optimised_env() -> dict:
     )
 
 
+# XLA's optimisations back for one program (conftest.py turns them off in the whole process: most
+# of the tests' programs spend more time compiling than running), as jax.jit's compiler_options or
+# Lowered.compile's: for a program that runs long (3x faster here); integer results do not depend on
+# them
+OPTIMISED = {"xla_backend_optimization_level": 3}
+
+
 def one_line_error(result, message):
     """Bad input: exit code 2 and one line on stderr holding `message`, no traceback."""
     assert result.returncode == 2, result.stderr[-1000:]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import alpha_schedule, chosen, es_update, z_thresholds
+from helpers import OPTIMISED, alpha_schedule, chosen, es_update, z_thresholds
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
@@ -239,10 +239,8 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     assert abs(share - alpha) < 0.05, share
 
 
-# run.z_statistic (and the momentum rule's step below) compiled with XLA's optimisations, which
-# conftest.py turns off for the whole process: the null's Z over tens of millions of noise values
-# runs 3-4x faster so, and its integer results do not depend on them
-OPTIMISED = {"xla_backend_optimization_level": 3}
+# run.z_statistic (and the momentum rule's step below) compiled with XLA's optimisations: the
+# null's Z over tens of millions of noise values
 z_statistic = jax.jit(run.z_statistic, static_argnums=2, compiler_options=OPTIMISED)
 
 
