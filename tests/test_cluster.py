@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from helpers import ROOT, TINY, checkpoint_digest, run_here
 
 from egg import supervisor
@@ -82,21 +81,6 @@ def two_processes(flags, runs, members: int = 16):
     return [launch(2, [*flags, *each, *hosts, str(i)], runs) for i in (0, 1)]
 
 
-def layouts(flags, runs, four=True):
-    """The same total population of 64 as 2 processes x 2 devices, 4 devices in one process
-    (unless not `four`) and 1 device, all at once (the last in this process): {layout: its
-    processes}."""
-    started = {"two": two_processes(flags, runs / "two")}
-    if four:
-        started["four"] = [
-            launch(4, [*flags, "--parallel_generations_per_gpu", "16"], runs / "four")
-        ]
-    return {
-        "one": [RunHere([*flags, "--parallel_generations_per_gpu", "64"], runs / "one")],
-        **started,
-    }
-
-
 def digest(runs, generation: int) -> str:
     """checkpoint_digest of a run's checkpoint (with the default --optimizer momentum's sums)."""
     (final,) = runs.glob(f"*/checkpoints/gen-{generation:08d}")
@@ -110,30 +94,31 @@ def records(runs):
     return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
-@pytest.mark.parametrize("model", [[], ["--model", "transformer", "--head_width", "4"]])
-def test_one_device_four_devices_and_two_processes_agree_bit_for_bit(tmp_path, model):
-    """With --segments 2: each device evaluates its members' slice of every segment's noise; a
-    window model's states, which hold nothing, spread with the members all the same (its 4
-    devices in one process, the sharded program of the 2 processes without them, are not run)."""
+def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_processes(tmp_path):
+    """The transformer, whose states hold nothing, with --segments 2: each device evaluates its
+    members' slice of every segment's noise (4 devices in one process, the sharded program of the
+    2 processes without them, are not run)."""
+    model = ["--model", "transformer", "--head_width", "4"]
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2", *model]
-    procs = layouts(flags, tmp_path, four=not model)
+    two = two_processes(flags, tmp_path / "two")
+    procs = {"one": [RunHere([*flags, "--parallel_generations_per_gpu", "64"], tmp_path / "one")]}
+    procs["two"] = two
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert (
         "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs"
         in outs["one"]
     )
-    assert model or "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
     assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
-    hashes = {layout: digest(tmp_path / layout, 3) for layout in procs}
-    validation = {
-        layout: [
-            r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r
-        ]
-        for layout in procs
-    }
-    print(hashes, validation)
-    assert len(set(hashes.values())) == 1
-    assert len({tuple(v) for v in validation.values()}) == 1 and len(validation["one"]) == 2
+    assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
+    assert len({validations(tmp_path / layout) for layout in procs}) == 1
+    assert len(validations(tmp_path / "one")) == 2
+
+
+def validations(runs) -> tuple:
+    """A run's validations in its records: ((generation, bits per byte), ...)."""
+    return tuple(
+        (r["generation"], r["val/bits_per_byte"]) for r in records(runs) if "val/bits_per_byte" in r
+    )
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
@@ -182,14 +167,17 @@ def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_pat
 
 
 def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes_exactly(tmp_path):
-    flags = ["--num_epochs", "100000", "--save_every", "0"]
-    procs = two_processes(flags, tmp_path / "stopped")
+    """2 processes x 2 devices with --segments 2 (each device evaluates its members' slice of every
+    segment's noise; --num_perturbations 8: the devices' members share noise), one process stopped
+    by a signal after a few generations, then resumed for two more: its parameters and validations
+    are those of 1 device and of 4 devices in one process that ran as many generations at once."""
+    flags = [*SHARED_NOISE, "--segments", "2", "--validate_every", "2", "--save_every", "0"]
+    procs = two_processes([*flags, "--num_epochs", "100000"], tmp_path / "two")
     deadline = time.time() + 240
     while not (
-        list((tmp_path / "stopped").glob("*/metrics.jsonl"))
-        and len(records(tmp_path / "stopped")) >= 3
+        list((tmp_path / "two").glob("*/metrics.jsonl")) and len(records(tmp_path / "two")) >= 3
     ):
-        assert time.time() < deadline, "no third generation logged within 240 s"
+        assert time.time() < deadline, "no third record within 240 s"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)  # the process that neither logs nor writes
     outs = wait(*procs, code=128 + signal.SIGTERM)  # stopped, to be resumed: both say so
@@ -197,17 +185,28 @@ def test_a_signal_to_one_process_stops_all_after_the_same_generation_and_resumes
     generation = int(stopped[0].split("after generation ")[1].split(":")[0])
     assert [s.split(" stopped")[1] for s in stopped] == [stopped[0].split(" stopped")[1]] * 2
     assert sorted(s.split(" stopped")[0] for s in stopped) == ["process 0", "process 1"]
-    assert records(tmp_path / "stopped")[-1]["generation"] == generation
+    assert records(tmp_path / "two")[-1]["generation"] == generation
     # process 0, which received no signal, does not claim the run ended at --num_epochs
     assert not [out for out in outs if "after 100000 generations" in out]
-    longer = ["--num_epochs", str(generation + 2)]
-    resumed = two_processes([*longer, "--resume", "auto"], tmp_path / "stopped")
-    reference = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "reference")
-    outs = wait(*resumed, reference)
-    assert "resuming from" in outs[0] and f"at generation {generation}" in outs[0]
-    assert digest(tmp_path / "stopped", generation + 2) == digest(
-        tmp_path / "reference", generation + 2
+    longer = [*flags, "--num_epochs", str(generation + 2)]
+    resumed = two_processes([*longer, "--resume", "auto"], tmp_path / "two")
+    four = launch(4, [*longer, "--parallel_generations_per_gpu", "16"], tmp_path / "four")
+    one = RunHere([*longer, "--parallel_generations_per_gpu", "64"], tmp_path / "one")
+    outs = dict(zip(("two", "four", "one"), wait(resumed[0], four, one), strict=True))
+    wait(resumed[1])
+    assert "resuming from" in outs["two"] and f"at generation {generation}" in outs["two"]
+    assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
+    assert "population 64 on 4 cpu device(s) in 1 process(es)" in outs["four"]
+    assert (
+        "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs"
+        in outs["one"]
     )
+    assert len({digest(tmp_path / layout, generation + 2) for layout in outs}) == 1
+    found = {layout: validations(tmp_path / layout) for layout in outs}
+    print(found)
+    # every second generation's and the last's
+    every = sorted({*range(2, generation + 3, 2), generation + 2})
+    assert len(set(found.values())) == 1 and [g for g, _ in found["one"]] == every
 
 
 SHARDED = """
