@@ -51,6 +51,16 @@ def optimised_env() -> dict:
 OPTIMISED = {"xla_backend_optimization_level": 3}
 
 
+def devices_env(devices) -> dict:
+    """This environment with `devices` virtual CPU devices, or (None) no device count set from
+    outside, compiled as conftest.py compiles (these programs run a few generations: they spend
+    most of their time compiling)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    count = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
+    env["XLA_FLAGS"] = count + os.environ["EGG_TEST_FAST_COMPILE"]
+    return env
+
+
 def one_line_error(result, message):
     """Bad input: exit code 2 and one line on stderr holding `message`, no traceback."""
     assert result.returncode == 2, result.stderr[-1000:]

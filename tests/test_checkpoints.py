@@ -18,6 +18,7 @@ from helpers import (
     TINY,
     checkpoint_digest,
     cli,
+    devices_env,
     in_process,
     one_line_error,
     one_model_step,
@@ -297,8 +298,8 @@ def test_resume_refuses_changed_training_settings_unless_allowed(tmp_path, capsy
     assert run.parse_args([]).model.residual_shift == -1
     meta_path.write_text(written)
     # the device count alone is no change: the same population on 2 devices resumes
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    result = cli(*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5", env=env)
+    flags = [*base, "--parallel_generations_per_gpu", "8", "--num_epochs", "5"]
+    result = cli(*flags, env=devices_env(2))
     assert result.returncode == 0 and "changed settings" not in result.stdout, result.stderr[-2000:]
     # a flag that does not act under the checkpoint's rule, nor this run's, is no change; nor is
     # one that came after the checkpoint (recorded none), where its training does not read it

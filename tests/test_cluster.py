@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import ROOT, TINY, checkpoint_digest, run_here
+from helpers import ROOT, TINY, checkpoint_digest, devices_env, run_here
 
 from egg import supervisor
 
@@ -20,16 +20,6 @@ COMMON = [*TINY, "--validation_batch_size", "6"]
 # replicated int16 state and --shared_pair_state; --num_perturbations 8 makes the 4 devices'
 # members share noise.
 SHARED_NOISE = ["--num_perturbations", "8"]
-
-
-def devices_env(devices) -> dict:
-    """This environment with `devices` virtual CPU devices, or (None) no device count set from
-    outside, compiled as conftest.py compiles (these programs run a few generations: they spend
-    most of their time compiling)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    count = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
-    env["XLA_FLAGS"] = count + os.environ["EGG_TEST_FAST_COMPILE"]
-    return env
 
 
 def launch(devices, flags, runs):
