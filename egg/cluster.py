@@ -84,10 +84,13 @@ def select_platform(platform: str) -> None:
 
 def enable_compilation_cache(dir_path: str) -> None:
     """Keep compiled programs in <dir_path>/jax_cache (unless JAX_COMPILATION_CACHE_DIR says
-    otherwise), so a second run of the same configuration starts without compiling."""
+    otherwise), so a second run of the same configuration starts without compiling: those that
+    took 0.5 s or more to compile (unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
+    otherwise)."""
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", str(Path(dir_path) / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 CACHE_WRITE_FAILED = "Error writing persistent compilation cache entry"  # JAX's warning's start
