@@ -279,22 +279,34 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+# another run's claim on a folder (egg/files.py's, as run.py takes it), held until its stdin closes
+OWNER = (
+    "import sys; from pathlib import Path; from egg import files; "
+    "held = files.own(Path(sys.argv[1]), 'runs', '--run_name'); print('owned', flush=True); "
+    "sys.stdin.read()"
+)
+
+
 def test_a_refusal_of_one_process_is_every_processs_in_the_same_line(tmp_path):
-    """Process 0 alone owns the run's folders: with them owned by another run, both processes of a
-    run of two end with exit 2 and the same one line, within seconds of each other."""
-    owner = launch(1, ["--run_name", "r", "--num_epochs", "100000", "--save_every", "0"], tmp_path)
-    lock = tmp_path / "r" / ".owner"
-    deadline = time.time() + 120
-    while not (lock.exists() and lock.read_text()) and time.time() < deadline:
-        time.sleep(0.1)
+    """Process 0 alone owns the run's folders: with them owned by another run (its claim held by a
+    process that does nothing else: test_faults.py refuses a second run beside a training one),
+    both processes of a run of two end with exit 2 and the same one line, within seconds of each
+    other."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path / "r")],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout.readline() == "owned\n"
     procs = two_processes(["--run_name", "r", "--num_epochs", "2"], tmp_path)
     ended = []
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         ended.append((proc.returncode, err.strip().splitlines()[-1:], time.time()))
-    owner.kill()
-    owner.communicate()
-    refusal = f"error: {tmp_path / 'r'} is in use by another run ("
+    owner.communicate(timeout=30)  # its stdin closed: it ends, and its claim with it
+    refusal = f"error: {tmp_path / 'r'} is in use by another run (host "
     assert [code for code, _, _ in ended] == [2, 2], ended
     assert ended[0][1] == ended[1][1] and ended[0][1][0].startswith(refusal), ended
     assert abs(ended[0][2] - ended[1][2]) < 10
