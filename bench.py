@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 import run
 from egg import UserError, cluster, hlo, kernel
@@ -406,8 +407,10 @@ def pallas_costs(jaxpr) -> dict:
 @contextmanager
 def without_compilation_cache():
     """JAX's persistent cache cannot load a program compiled without its device back: keep such
-    programs out of it (JAX decides once whether it uses the cache; a minimum compile time no
-    compilation reaches keeps the entries from being written either way)."""
+    programs out of it (a minimum compile time no compilation reaches keeps the entries from being
+    written, where JAX had decided to use the cache before). JAX decides once a process whether it
+    uses the cache, at its first compilation: where that is one of these, it would decide against
+    it for every program after; its decision is reset on the way out, to be made at the next."""
     before = (
         jax.config.jax_enable_compilation_cache,
         jax.config.jax_persistent_cache_min_compile_time_secs,
@@ -419,6 +422,7 @@ def without_compilation_cache():
     finally:
         jax.config.update("jax_enable_compilation_cache", before[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
 
 
 class Target(NamedTuple):

@@ -5,6 +5,7 @@ bounded, one all-gather of the scores a generation over 8 GPUs; and the kernel c
 model of the report against programs whose answer is known."""
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TINY
+from jax.experimental.compilation_cache import compilation_cache
 
 import bench
 import run
@@ -163,6 +165,21 @@ def test_over_8_h100s_normalised_scores_add_the_two_sums_of_the_mean_difference(
     )
     compiled, cfg, _ = compile_step(args, devices=8)
     one_gather_a_generation(compiled, cfg, fast=False)
+
+
+def test_a_program_compiled_for_a_target_leaves_the_cache_to_the_programs_after_it():
+    """JAX decides at a process's first compilation whether it uses its persistent cache: where that
+    is a program compiled for an H100 without one (kept out of the cache), the CPU's programs
+    compiled after it are cached all the same."""
+    cache = Path(jax.config.jax_compilation_cache_dir)
+    compilation_cache.reset_cache()  # as in a new process: the next compilation is its first
+    sharding = jax.sharding.SingleDeviceSharding(bench.target_mesh("h100", 1).devices.flat[0])
+    with bench.without_compilation_cache():
+        x = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=sharding)
+        jax.jit(lambda x: x + 1).lower(x).compile()
+    before = set(cache.iterdir()) if cache.exists() else set()
+    jax.jit(lambda x: x * 3 + 11)(np.arange(7))  # a program no other test compiles
+    assert set(cache.iterdir()) - before
 
 
 def test_kernels_are_counted_through_loops_with_their_bytes_and_macs():
