@@ -84,6 +84,13 @@ def records(runs):
     return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
+def validations(runs) -> tuple:
+    """A run's validations in its records: ((generation, bits per byte), ...)."""
+    return tuple(
+        (r["generation"], r["val/bits_per_byte"]) for r in records(runs) if "val/bits_per_byte" in r
+    )
+
+
 def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_processes(tmp_path):
     """The transformer, whose states hold nothing, with --segments 2: each device evaluates its
     members' slice of every segment's noise (4 devices in one process, the sharded program of the
@@ -102,13 +109,6 @@ def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_pr
     assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
     assert len({validations(tmp_path / layout) for layout in procs}) == 1
     assert len(validations(tmp_path / "one")) == 2
-
-
-def validations(runs) -> tuple:
-    """A run's validations in its records: ((generation, bits per byte), ...)."""
-    return tuple(
-        (r["generation"], r["val/bits_per_byte"]) for r in records(runs) if "val/bits_per_byte" in r
-    )
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):
