@@ -139,12 +139,7 @@ def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_pat
     split = f" (one CPU split into {auto})" if auto > 1 else ""
     assert f"population 64 on {auto} cpu device(s){split} in 1 process(es)" in outs["auto"]
     assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
-    validation = {
-        tuple(
-            r["val/bits_per_byte"] for r in records(tmp_path / layout) if "val/bits_per_byte" in r
-        )
-        for layout in procs
-    }
+    validation = {validations(tmp_path / layout) for layout in procs}
     assert len(validation) == 1 and len(next(iter(validation))) == 2
     # a split that leaves a device part of a group is refused with one line, before anything runs
     _, bad = launch(None, [*flags, "--cpu_devices", "3"], tmp_path / "bad").communicate(timeout=400)
