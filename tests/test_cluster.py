@@ -97,9 +97,8 @@ def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_pr
     2 processes without them, are not run)."""
     model = ["--model", "transformer", "--head_width", "4"]
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2", *model]
-    two = two_processes(flags, tmp_path / "two")
-    procs = {"one": [RunHere([*flags, "--parallel_generations_per_gpu", "64"], tmp_path / "one")]}
-    procs["two"] = two
+    procs = {"two": two_processes(flags, tmp_path / "two")}  # started first, to run beside "one"
+    procs["one"] = [RunHere([*flags, "--parallel_generations_per_gpu", "64"], tmp_path / "one")]
     outs = {layout: wait(*group)[0] for layout, group in procs.items()}
     assert (
         "population 64 on 1 cpu device(s) in 1 process(es), 2 segment(s) a member (64 pairs"
@@ -412,7 +411,7 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_run_resumes_on_anoth
     longer = ["--run_name", "r", "--num_epochs", str(newest + 4), "--parallel_generations_per_gpu"]
     resumed = RunHere([*longer, "64", "--resume", "auto"], tmp_path / "lost")
     reference = RunHere([*longer, "64"], tmp_path / "reference")  # the same program, compiled
-    (out,) = wait(resumed, reference)[:1]
+    out = wait(resumed, reference)[0]
     assert f"resuming from {checkpoints / saved[-1]} at generation {newest}" in out
     assert "population 64 on 1 cpu device(s) in 1 process(es)" in out
     hashes = [digest(tmp_path / layout, newest + 4) for layout in ("lost", "reference")]
