@@ -14,6 +14,7 @@ reads every kernel of the compiled programs (egg/hlo.py) and costs them by a sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import subprocess
@@ -74,8 +75,10 @@ BENCHMARK_SECONDS = 240.0  # what the benchmark without --num_epochs aims to tak
 FULL_RANK_PROBES = (16, 64)
 
 
+@functools.cache
 def bare_jax_rss() -> float:
-    """Peak RSS (GiB) of a bare JAX process on this machine and platform (nan if it fails)."""
+    """Peak RSS (GiB) of a bare JAX process on this machine and platform (nan if it fails),
+    measured once a process: the platform cannot change once JAX has started."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # beside us on a GPU
     if jax.config.jax_platforms:
         env["JAX_PLATFORMS"] = jax.config.jax_platforms
