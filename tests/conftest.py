@@ -88,5 +88,35 @@ def forget_programs():
             made.cache_clear()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cost",
+        metavar="FOLDER",
+        help="each test's CPU seconds (its process's, its subprocesses') and JAX's tracing, "
+        "lowering and compiling seconds, a JSON line a test under FOLDER, summed at the end "
+        "(tests/cost.py)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    folder = item.config.getoption("cost")
+    if not folder:
+        yield
+        return
+    import cost
+
+    with cost.measured(folder, item.nodeid):
+        yield
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("cost") and not hasattr(config, "workerinput"):  # the run's own process
+        import cost
+
+        for line in cost.summary(config.getoption("cost")):
+            terminalreporter.write_line(line)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SCRATCH, ignore_errors=True)
