@@ -4,7 +4,8 @@ runs of the same tiny configurations compile once, whichever test and process co
 the corpus cache (so that the standard library is concatenated once). A session fixture checks that
 the repository is left as it was found. Under pytest-xdist (-n 2) the workers inherit the
 compilation cache of the process that started them, which removes it at the end; each worker has its
-own scratch folder for the rest and makes these checks itself."""
+own scratch folder for the rest and makes these checks itself. --cost FOLDER says where the time
+goes (tests/cost.py)."""
 
 import os
 import shutil
