@@ -54,31 +54,30 @@ def measured(folder: str, test: str):
         f.write(json.dumps(line) + "\n")
 
 
+def cpu_of(test: dict) -> float:
+    return test["self"] + test["children"]
+
+
 def summary(folder: str, slowest: int = 15) -> list[str]:
     """The costs of every test under `folder`: totals, each file's, and the `slowest` tests'."""
-    lines = [json.loads(x) for path in Path(folder).glob("*.jsonl") for x in path.open()]
+    paths = Path(folder).glob("*.jsonl")
+    tests = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
     columns = ("self", "children", "trace", "lower", "compile", "compiles")
 
     def row(name: str, tests: list[dict]) -> str:
         total = {c: sum(t[c] for t in tests) for c in columns}
-        cpu = total["self"] + total["children"]
         figures = " ".join(f"{total[c]:8.1f}" for c in columns[:-1])
-        return f"{cpu:8.1f} {figures} {total['compiles']:8.0f}  {name}"
+        return f"{sum(map(cpu_of, tests)):8.1f} {figures} {total['compiles']:8.0f}  {name}"
 
     files = collections.defaultdict(list)
-    for test in lines:
+    for test in tests:
         files[test["test"].split("::")[0]].append(test)
+    by_file = sorted(files.items(), key=lambda item: -sum(map(cpu_of, item[1])))
     header = f"{'CPU s':>8} " + " ".join(f"{c:>8}" for c in columns) + "  (seconds)"
-    by_cpu = sorted(lines, key=lambda t: -(t["self"] + t["children"]))
     return [
         header,
-        row(f"all {len(lines)} tests", lines),
-        *(
-            row(name, tests)
-            for name, tests in sorted(
-                files.items(), key=lambda f: -sum(t["self"] + t["children"] for t in f[1])
-            )
-        ),
+        row(f"all {len(tests)} tests", tests),
+        *(row(name, tests) for name, tests in by_file),
         f"the {slowest} costliest tests:",
-        *(row(test["test"], [test]) for test in by_cpu[:slowest]),
+        *(row(test["test"], [test]) for test in sorted(tests, key=cpu_of, reverse=True)[:slowest]),
     ]
