@@ -168,10 +168,16 @@ def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: in
     return np.asarray(fitness), np.asarray(states)
 
 
+# one program, compiled once a configuration, as the generation step compiles it (called op by op,
+# each of its operations would compile on its own: hundreds a configuration)
+generation_noise = partial(jax.jit, static_argnums=0)(run.generation_noise)
+
+
+@partial(jax.jit, static_argnums=5)
 def es_update(params, rule_state, noise, scores, thresholds, cfg):
     """One model's update as the generation step makes it from every noise of the generation
     (run.generation_noise) and the scores (scored_pairs,), segment-major: the pairs' weights, Z of
-    every parameter, then the rule."""
+    every parameter, then the rule; compiled as one program, as generation_noise."""
     # (noise_pairs,), as generation_noise orders them
     weights = run.pair_weights(scores, cfg).reshape(-1)
     z = run.z_statistics(noise, weights, cfg)

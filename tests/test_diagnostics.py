@@ -6,7 +6,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import es_update, fitness_of_one_model, thresholds
+from helpers import es_update, fitness_of_one_model, generation_noise, thresholds
 
 import run
 from egg import flags
@@ -63,7 +63,7 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
     cfg = run.make_config(args)
     params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
     scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
-    noise = run.generation_noise(cfg, 0, 0)
+    noise = generation_noise(cfg, 0, 0)
     new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)
     model = run.parameters_of(cfg)
     tensors = {k: (2 if p.layered else 1, np.asarray(params[k]).size) for k, p in model.items()}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import fitness_of_one_model, one_model_step, z_thresholds
+from helpers import fitness_of_one_model, generation_noise, one_model_step, z_thresholds
 
 import run
 from egg import cluster, flags
@@ -69,7 +69,7 @@ def test_population_fitness_equals_the_reference_for_every_member(
     rng = np.random.default_rng(n_embd + 10 * rank + sigma_shift + 100)
     params = random_params(cfg, rng)
     states, tokens = window(cfg, rng, cfg.population)
-    noise = run.generation_noise(cfg, args.seed, jnp.int32(5))
+    noise = generation_noise(cfg, args.seed, jnp.int32(5))
     fitness, final = fitness_of_one_model(
         params, noise, states, tokens[:, :-1], tokens[:, 1:], sigma_shift, cfg
     )
@@ -122,7 +122,7 @@ def test_the_other_models_fitness_equals_the_reference_for_every_member(
         states = rng.integers(-127, 128, states.shape).astype(np.int8)
     tokens = rng.integers(0, 256, (members, length + 1)).astype(np.uint8)
     tokens[:, 3] = 0
-    noise = run.generation_noise(cfg, args.seed, jnp.int32(5))
+    noise = generation_noise(cfg, args.seed, jnp.int32(5))
     fitness, final = fitness_of_one_model(
         params, noise, states, tokens[:, :-1], tokens[:, 1:], args.sigma_shift, cfg
     )
@@ -207,7 +207,7 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
         step, (params, {}, states), batch, 7, thresholds, args.seed, args.sigma_shift
     )
 
-    noise = run.generation_noise(cfg, args.seed, jnp.int32(7))
+    noise = generation_noise(cfg, args.seed, jnp.int32(7))
     pairs, ends = cfg.population // 2, [0, 2, 4, 7]
     h = states.astype(np.int64)
     seg_fitness = np.zeros((cfg.segments, cfg.population), np.int64)

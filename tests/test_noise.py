@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import member_embed, member_matmul, member_vector
+from helpers import generation_noise, member_embed, member_matmul, member_vector
 
 import run
 from egg import flags
@@ -84,8 +84,8 @@ def test_noise_reuse():
     for reuse, same, different in ((0, [(0, 999)], []), (4, [(0, 3), (4, 7)], [(3, 4)])):
         c = cfg(noise_reuse=reuse)
         for g1, g2 in same + different:
-            x = flat(run.generation_noise(c, 0, jnp.int32(g1)))
-            y = flat(run.generation_noise(c, 0, jnp.int32(g2)))
+            x = flat(generation_noise(c, 0, jnp.int32(g1)))
+            y = flat(generation_noise(c, 0, jnp.int32(g2)))
             assert np.array_equal(x, y) == ((g1, g2) in same)
 
 
@@ -234,7 +234,7 @@ def test_segment_noise_is_segment_zeros_stream_remixed():
     c, seed = cfg(n_embd=8, n_layer=2, rank=2, segments=3, tokens_per_update=9), 5
     bucket, pair = 3, 1
     words = np.asarray(run.pair_words(c, seed, bucket, pair))
-    batched = run.generation_noise(c, seed, jnp.int32(bucket))
+    batched = generation_noise(c, seed, jnp.int32(bucket))
     for segment in range(c.segments):
         with np.errstate(over="ignore"):
             mixed = words + np.uint32(segment * 0x9E3779B9 % 2**32)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import fitness_of_one_model, one_model_step, z_thresholds
+from helpers import fitness_of_one_model, generation_noise, one_model_step, z_thresholds
 
 import run
 from egg import cluster, flags
@@ -145,7 +145,7 @@ def test_num_perturbations_shares_noise_between_members():
         run.init_params(c, args.seed),
         np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
     )
-    noise = run.generation_noise(c, args.seed, jnp.int32(0))
+    noise = generation_noise(c, args.seed, jnp.int32(0))
     assert jax.tree.leaves(noise)[0].shape[0] == 2
     tokens = np.repeat(batch, c.group_size, axis=0)
     fitness, _ = fitness_of_one_model(

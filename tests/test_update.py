@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import OPTIMISED, alpha_schedule, chosen, es_update, z_thresholds
+from helpers import OPTIMISED, alpha_schedule, chosen, es_update, generation_noise, z_thresholds
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
@@ -106,7 +106,7 @@ def test_update_equals_slow_numpy_reference(overrides):
         for k, v in run.init_params(c, 0).items()
     }
     params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
-    noise = run.generation_noise(c, 0, jnp.int32(3))
+    noise = generation_noise(c, 0, jnp.int32(3))
     scores = np.array([1, -1, 1, 1] if c.shaping == "sign" else [100, -37, 5, -127])
     # low enough that many entries move (sign mode: |Z| <= pairs * rank)
     thresholds = np.array([300, 12] if c.use_clt else [2, 1], np.int32)
@@ -226,7 +226,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     )
     c = run.make_config(args)
     params = run.init_params(c, 0)
-    noise = run.generation_noise(c, 0, jnp.int32(0))
+    noise = generation_noise(c, 0, jnp.int32(0))
     rng = np.random.default_rng(1)
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
@@ -373,7 +373,7 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
     ref_state = {k: v.astype(np.int64) for k, v in state.items()}
     longest = 0  # the longest move the reference made
     for generation in range(4):
-        noise = run.generation_noise(c, 0, jnp.int32(generation))
+        noise = generation_noise(c, 0, jnp.int32(generation))
         scores = rng.integers(-1, 2, 4) if c.shaping == "sign" else rng.integers(-127, 128, 4)
         params, state, moved = jax.tree.map(
             np.asarray,
