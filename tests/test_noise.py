@@ -1,6 +1,7 @@
 """Counter-based noise and the low-rank perturbed forward."""
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,13 @@ def cfg(**overrides):
     return run.make_config(flags.replace(run.Args(), **args))
 
 
-def pair_noise(c, bucket, pair, segment=0, seed=0):
+def eager_pair_noise(c, bucket, pair, segment=0, seed=0):
     """One pair's noise in one segment, as generation_noise builds it for every pair."""
     return run.words_to_noise(c, run.mix_segment(run.pair_words(c, seed, bucket, pair), segment))
+
+
+# compiled once a configuration and segment (op by op, each operation compiles on its own)
+pair_noise = partial(jax.jit, static_argnums=(0, 3))(eager_pair_noise)
 
 
 def flat(noise):
@@ -31,8 +36,8 @@ def flat(noise):
 
 def test_same_counters_give_the_same_values_jitted_or_not():
     c = cfg(n_embd=8, n_layer=1)
-    eager = pair_noise(c, 3, 2)
-    jitted = jax.jit(lambda b, k: pair_noise(c, b, k))(3, 2)
+    eager = eager_pair_noise(c, 3, 2)
+    jitted = jax.jit(lambda b, k: eager_pair_noise(c, b, k))(3, 2)
     batched = jax.tree.map(lambda x: x[2], run.generation_noise(c, 0, jnp.int32(3)))
     leaves = (jax.tree.leaves(eager), jax.tree.leaves(jitted), jax.tree.leaves(batched))
     for x, y, z in zip(*leaves, strict=True):
