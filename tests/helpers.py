@@ -168,9 +168,10 @@ def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: in
     return np.asarray(fitness), np.asarray(states)
 
 
-# one program, compiled once a configuration, as the generation step compiles it (called op by op,
-# each of its operations would compile on its own: hundreds a configuration)
+# one program each, compiled once a configuration, as a run compiles them (called op by op, each of
+# their operations would compile on its own: hundreds a configuration)
 generation_noise = partial(jax.jit, static_argnums=0)(run.generation_noise)
+init_params = partial(jax.jit, static_argnums=0)(run.init_params)
 
 
 @partial(jax.jit, static_argnums=5)

@@ -20,6 +20,7 @@ from helpers import (
     cli,
     devices_env,
     in_process,
+    init_params,
     one_line_error,
     one_model_step,
     run_here,
@@ -408,7 +409,7 @@ def tiny_model():
     cfg = run.make_config(
         flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=16)
     )
-    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
+    params = jax.tree.map(np.asarray, init_params(cfg, 0))
     opt = jax.tree.map(lambda x: np.asarray(x) + 3, run.init_state(cfg))
     return cfg, params, opt, np.zeros((cfg.population, cfg.n_layer, cfg.n_embd), np.int8)
 

@@ -6,7 +6,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import es_update, fitness_of_one_model, generation_noise, thresholds
+from helpers import es_update, fitness_of_one_model, generation_noise, init_params, thresholds
 
 import run
 from egg import flags
@@ -30,7 +30,7 @@ def setup():
     cfg = run.make_config(
         flags.replace(run.Args(), n_embd=8, n_layer=2, parallel_generations_per_gpu=4)
     )
-    params = jax.tree.map(np.array, run.init_params(cfg, 0))  # writable copies
+    params = jax.tree.map(np.array, init_params(cfg, 0))  # writable copies
     rows = np.random.default_rng(0).integers(1, 256, (3, 12)).astype(np.uint8)
     return cfg, params, rows
 
@@ -61,7 +61,7 @@ def test_moved_shares_are_each_parameters_share_of_entries_that_moved():
         segments=1,
     )
     cfg = run.make_config(args)
-    params = jax.tree.map(np.asarray, run.init_params(cfg, 0))
+    params = jax.tree.map(np.asarray, init_params(cfg, 0))
     scores = np.random.default_rng(1).integers(-127, 128, run.scored_pairs(cfg)).astype(np.int8)
     noise = generation_noise(cfg, 0, 0)
     new, _, moved = es_update(params, {}, noise, scores, thresholds(args, cfg), cfg)

@@ -7,7 +7,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import one_model_step, z_thresholds
+from helpers import init_params, one_model_step, z_thresholds
 
 import run
 from egg import cluster, kernel
@@ -166,7 +166,7 @@ def test_a_generation_as_a_gpu_runs_it_equals_the_cpus_bit_for_bit(flags, candid
     assert gpu.kernels == "interpret" and gpu.unrolled
     mesh = cluster.population_mesh(run.POP, jax.devices()[:1])
     rng = np.random.default_rng(5)
-    params = jax.tree.map(np.asarray, run.init_params(cpu, 1))
+    params = jax.tree.map(np.asarray, init_params(cpu, 1))
     states = rng.integers(-127, 128, (cpu.population, cpu.n_layer, cpu.n_embd)).astype(np.int8)
     opt = jax.tree.map(np.asarray, run.init_state(cpu))
     batches = rng.integers(1, 256, (2, cpu.population // 2, cpu.tokens + 1)).astype(np.uint8)

@@ -5,7 +5,7 @@ past that setting is refused with a message naming the flag."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CACHE, OPTIMISED, in_process, member_matmul, one_line_error
+from helpers import CACHE, OPTIMISED, in_process, init_params, member_matmul, one_line_error
 
 import run
 from egg import cluster, flags
@@ -69,7 +69,7 @@ def worst_case_params(cfg, target: int):
     """A model whose every prediction of byte `target` is as bad as int8 logits allow: the
     residual stream is the embedding (every block's gains zero), all +127, and the head gives
     `target` the logit -127 and every other byte +127."""
-    params = {k: np.zeros_like(v) for k, v in run.init_params(cfg, 0).items()}
+    params = {k: np.zeros_like(v) for k, v in init_params(cfg, 0).items()}
     params["emb"][:], params["ln_out"][:], params["head"][:] = 127, 127, 127
     params["head"][target] = -127
     return params

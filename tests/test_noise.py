@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import generation_noise, member_embed, member_matmul, member_vector
+from helpers import generation_noise, init_params, member_embed, member_matmul, member_vector
 
 import run
 from egg import flags
@@ -131,11 +131,11 @@ def test_low_rank_forward_equals_forward_with_w_plus_sigma_e_materialised(rank, 
 def test_init_std_scales_upstreams_normal_entries_exactly():
     """--init_std s: each matrix entry is upstream's (s = 16: the quantile table's entry itself)
     times s / 16, rounded half away from zero, in exact integers; vectors are as upstream's."""
-    upstream = jax.tree.map(np.asarray, run.init_params(cfg(init_std=16), 0))
+    upstream = jax.tree.map(np.asarray, init_params(cfg(init_std=16), 0))
     matrices = [k for k, p in run.parameters_of(cfg()).items() if p.matrix]
     table = set(run.make_tables(1).gauss.tolist())
     for s in (0, 1, 3, 4, 32):
-        params = jax.tree.map(np.asarray, run.init_params(cfg(init_std=s), 0))
+        params = jax.tree.map(np.asarray, init_params(cfg(init_std=s), 0))
         for name, q in upstream.items():
             assert params[name].dtype == np.int8, name
             if name not in matrices:
@@ -153,7 +153,7 @@ def test_init_std_scales_upstreams_normal_entries_exactly():
 def test_embedding_perturbation_equals_explicit_row(rank):
     c, sigma_shift = cfg(n_embd=16, rank=rank), 1
     nz = pair_noise(c, 0, 2)["emb"]
-    params = run.init_params(c, 0)
+    params = init_params(c, 0)
     a, b = (np.asarray(x, np.float64) for x in nz)
     explicit = np.asarray(params["emb"], np.float64) + 16 * 2.0**-sigma_shift * (a @ b.T) / 2**8
     for tok in (0, 65, 255):

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 import reference
-from helpers import in_process, one_line_error
+from helpers import in_process, init_params, one_line_error
 
 import run
 from egg import checkpoints, flags, sampling
@@ -50,7 +50,7 @@ def test_temperature_sharpens_and_zero_is_greedy():
 def model():
     args = flags.replace(run.Args(), n_embd=16, n_layer=1, seed=3)
     cfg = run.make_config(args)
-    return sampling.Flags(max_new_bytes=40, prompt="def "), cfg, run.init_params(cfg, args.seed)
+    return sampling.Flags(max_new_bytes=40, prompt="def "), cfg, init_params(cfg, args.seed)
 
 
 def test_sampling_is_reproducible_for_a_seed():

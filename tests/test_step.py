@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import fitness_of_one_model, generation_noise, one_model_step, z_thresholds
+from helpers import (
+    fitness_of_one_model,
+    generation_noise,
+    init_params,
+    one_model_step,
+    z_thresholds,
+)
 
 import run
 from egg import cluster, flags
@@ -111,7 +117,7 @@ def test_the_cpus_step_and_validation_copy_no_weight_transposed(overrides):
 
 def run_generations(step, args, c, batch, generations=3):
     carry = (
-        run.init_params(c, args.seed),
+        init_params(c, args.seed),
         run.init_state(c),
         np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
     )
@@ -134,7 +140,7 @@ def test_generations_are_exactly_reproducible_and_move_parameters():
         np.testing.assert_array_equal(p1[name], p2[name])
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(f1, f2)
-    start = run.init_params(c, args.seed)
+    start = init_params(c, args.seed)
     assert sum(int(np.sum(p1[k] != start[k])) for k in run.parameters_of(c)) > 0
 
 
@@ -142,7 +148,7 @@ def test_num_perturbations_shares_noise_between_members():
     # one data sequence for all
     args, c, batch = setup(num_perturbations=4, group_size=8, segments=1)
     params, states = (
-        run.init_params(c, args.seed),
+        init_params(c, args.seed),
         np.zeros((c.population, c.n_layer, c.n_embd), np.int8),
     )
     noise = generation_noise(c, args.seed, jnp.int32(0))
@@ -182,7 +188,7 @@ def test_shared_pair_state_gives_both_members_their_rounded_mean():
 
 def test_state_resets_at_document_separator_and_carries_over_otherwise():
     args, c, batch = setup()
-    params = run.init_params(c, args.seed)
+    params = init_params(c, args.seed)
     x, y = np.stack([batch[0, :-1]] * 2), np.stack([batch[0, 1:]] * 2)
     assert x[0, 3] == 0 and (x[0, 4:] != 0).all()  # one separator, after 3 bytes
     h0 = np.zeros((2, c.n_layer, c.n_embd), np.int8)

@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import OPTIMISED, alpha_schedule, chosen, es_update, generation_noise, z_thresholds
+from helpers import (
+    OPTIMISED,
+    alpha_schedule,
+    chosen,
+    es_update,
+    generation_noise,
+    init_params,
+    z_thresholds,
+)
 from helpers import upstream_args as upstream
 from reference import round_half_away
 
@@ -103,7 +111,7 @@ def test_update_equals_slow_numpy_reference(overrides):
     rng = np.random.default_rng(0)
     params = {
         k: jnp.asarray(rng.integers(-127, 128, np.shape(v)).astype(np.int8))
-        for k, v in run.init_params(c, 0).items()
+        for k, v in init_params(c, 0).items()
     }
     params["emb"] = params["emb"].at[0, 0].set(127)  # saturated entries stay in range
     noise = generation_noise(c, 0, jnp.int32(3))
@@ -225,7 +233,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
         **overrides,
     )
     c = run.make_config(args)
-    params = run.init_params(c, 0)
+    params = init_params(c, 0)
     noise = generation_noise(c, 0, jnp.int32(0))
     rng = np.random.default_rng(1)
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
@@ -365,7 +373,7 @@ def test_momentum_equals_an_entry_by_entry_reference_over_generations(overrides)
     args = tiny(alpha=0.5, **overrides)
     c = run.make_config(args)
     rng = np.random.default_rng(7)
-    params = jax.tree.map(np.asarray, run.init_params(c, 0))
+    params = jax.tree.map(np.asarray, init_params(c, 0))
     state = jax.tree.map(np.asarray, run.init_state(c))
     assert state and all(x.dtype == np.int16 for x in state.values())
     shifts, thresholds = u_shifts(c), z_thresholds(args, c)
