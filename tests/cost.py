@@ -26,7 +26,7 @@ SPENT = collections.Counter()  # this process's seconds by EVENTS' names, and it
 def heard(event: str, seconds: float, **_) -> None:
     if event in EVENTS:
         SPENT[EVENTS[event]] += seconds
-        SPENT["compiles"] += event.endswith("backend_compile_duration")
+        SPENT["compiles"] += EVENTS[event] == "compile"
 
 
 jax.monitoring.register_event_duration_secs_listener(heard)

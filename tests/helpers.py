@@ -170,8 +170,8 @@ def fitness_of_one_model(params, noise, states, inputs, targets, sigma_shift: in
 
 # one program each, compiled once a configuration, as a run compiles them (called op by op, each of
 # their operations would compile on its own: hundreds a configuration)
-generation_noise = partial(jax.jit, static_argnums=0)(run.generation_noise)
-init_params = partial(jax.jit, static_argnums=0)(run.init_params)
+generation_noise = jax.jit(run.generation_noise, static_argnums=0)
+init_params = jax.jit(run.init_params, static_argnums=0)
 
 
 @partial(jax.jit, static_argnums=5)

@@ -1,7 +1,6 @@
 """Counter-based noise and the low-rank perturbed forward."""
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ def eager_pair_noise(c, bucket, pair, segment=0, seed=0):
 
 
 # compiled once a configuration and segment (op by op, each operation compiles on its own)
-pair_noise = partial(jax.jit, static_argnums=(0, 3))(eager_pair_noise)
+pair_noise = jax.jit(eager_pair_noise, static_argnums=(0, 3))
 
 
 def flat(noise):

@@ -238,9 +238,7 @@ def test_share_of_moved_parameters_under_the_null_is_alpha(overrides):
     rng = np.random.default_rng(1)
     fitness = jnp.asarray(rng.normal(0, 1000, c.population).astype(np.int32))
     scores = run.shape_fitness(fitness, c)
-    _, _, moved = jax.jit(lambda p, n, s, t: es_update(p, {}, n, s, t, c))(
-        params, noise, scores, z_thresholds(args, c)[0]
-    )
+    _, _, moved = es_update(params, {}, noise, scores, z_thresholds(args, c)[0], c)
     total = sum(int(p.size) for p in params.values())
     share = int(np.sum(moved)) / total
     # entries are not independent (they share the fitness), so allow 3x the binomial spread
