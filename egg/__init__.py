@@ -4,6 +4,8 @@ flags are a group of its own (a Flags dataclass), which run.Args gathers under t
     flags.py        what each flag allows (Facts), the command line's forms, the upstream preset
     files.py        files written whole or not at all; a folder owned by one run (a lock)
     corpus.py       training bytes: minipile, stdlib, files and folders, cached; the baselines
+    tasks.py        the reward objective's tasks: prompts (built-in, files, datasets), rewards as
+                    TRL's, the in-step scorers, worked examples to read
     checkpoints.py  checkpoint folders: written atomically, kept, read back and checked
     resume.py       which checkpoint a run continues, checked against what the run says it is
     cluster.py      devices, processes, memory and stop signals: the mesh, host copies, the CPU

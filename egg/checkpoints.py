@@ -52,6 +52,10 @@ class Flags:
     with the flags given"""
     allow_changes: Annotated[bool, *flag(carried=False)] = False
     """with --resume: continue although training flags differ from the checkpoint's (logged)"""
+    init_from: Annotated[str, *flag(carried=False)] = ""
+    """start a new run from another run's model: RUN (a run folder, its checkpoints folder or one
+    checkpoint) its newest checkpoint, RUN:best its best; the model's settings come from it, the
+    update rule's state and the members' states start afresh"""
 
 
 CHECKPOINT_FORMAT = 3  # the one format read: meta["training"] records every training setting
@@ -217,13 +221,20 @@ class Checkpointer:
         writer: bool = True,
         model: str = "",
         replicas: int = 1,
+        metric: str = "bits_per_byte",
+        higher: bool = False,
     ):
         self.dir, self.flags, self.keep, self.writer = save_dir, flags, keep, writer
         self.training, self.model, self.replicas = training, model, replicas
-        self.best = math.inf
+        self.metric, self.higher = metric, higher  # what validation gives, and its better way
+        self.best = -math.inf if higher else math.inf
+
+    def improves(self, value: float) -> bool:
+        """Whether a validation's value beats the best so far."""
+        return value > self.best if self.higher else value < self.best
 
     def write(
-        self, name: str, arrays: tuple, generation: int, val_bpb: float, extra: dict, pointer: str
+        self, name: str, arrays: tuple, generation: int, value: float, extra: dict, pointer: str
     ) -> Path:
         """Save (params, rule_state, states) as folder `name`, and name it in `pointer`."""
         folder = self.dir / name
@@ -231,8 +242,8 @@ class Checkpointer:
             meta = {
                 "format": CHECKPOINT_FORMAT,
                 "generation": generation,
-                "val_bits_per_byte": val_bpb,
-                "best_val_bits_per_byte": self.best,
+                f"val_{self.metric}": value,
+                f"best_val_{self.metric}": self.best,
                 "model": self.model,
                 "replicas": self.replicas if pointer == "LATEST" else 1,
                 "args": self.flags,
@@ -250,26 +261,26 @@ class Checkpointer:
                 ) from None
         return folder
 
-    def save(self, generation: int, arrays: tuple, val_bpb: float, extra: dict) -> Path:
+    def save(self, generation: int, arrays: tuple, value: float, extra: dict) -> Path:
         """A periodic checkpoint of every replica (arrays with the replica axis; one model's alone
         is stored without it), the oldest beyond `keep` removed."""
         if self.replicas == 1:
             arrays = jax.tree.map(lambda x: x[0], arrays)
-        folder = self.write(f"gen-{generation:08d}", arrays, generation, val_bpb, extra, "LATEST")
+        folder = self.write(f"gen-{generation:08d}", arrays, generation, value, extra, "LATEST")
         if self.writer:
             for old in checkpoints_in(self.dir)[: -self.keep]:
                 remove_checkpoint(old)
         return folder
 
-    def offer_best(self, generation: int, model: tuple, val_bpb: float, extra: dict) -> None:
+    def offer_best(self, generation: int, model: tuple, value: float, extra: dict) -> None:
         """Keep one model (params, rule_state, states without the replica axis) if its validation
         score is the best so far: the best replica's, as a single run's checkpoint, `extra` saying
         which."""
-        if not val_bpb < self.best:
+        if not self.improves(value):
             return
-        self.best = val_bpb
+        self.best = value
         folder = self.write(
-            f"best-{val_bpb:.4f}-gen-{generation:08d}", model, generation, val_bpb, extra, "BEST"
+            f"best-{value:.4f}-gen-{generation:08d}", model, generation, value, extra, "BEST"
         )
         if self.writer:
             for old in self.dir.glob("best-*"):

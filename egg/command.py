@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from egg import UserError, cluster, pbt, record, resume, supervisor
+from egg import UserError, cluster, pbt, record, resume, supervisor, tasks
 from egg.files import EX_IOERR, NoRoom
 from egg.flags import (
     check_range,
@@ -24,6 +24,8 @@ from egg.flags import (
     parse,
     since,
 )
+
+EX_DATAERR = 65  # sysexits.h: a reward failed on what the model wrote (docs/design.org: exit codes)
 
 # Variants measured and not adopted (docs/results.org, "Tried, not adopted"): their code left after
 # commit RETIRED_AFTER, which has it. A run (or a checkpoint) that asks for one is refused in one
@@ -42,38 +44,72 @@ def retired(name: str, setting=None) -> UserError:
     )
 
 
-def parse_args(cls: type, argv: list[str]):
+def parse_args(cls: type, argv: list[str], model_settings: Callable | None = None):
     """The flags dataclass `cls` from the command line (egg/flags.py: tyro's forms, the sweeps'
     booleans, nano-egg's --fast_fitness, the --algorithm upstream preset), a retired variant
     refused. With --resume PATH, over that run's flags: all but those a flag's facts say are not
     carried, a flag the run predates at the value it trained with (its facts' `before`), writing
     where the checkpoint lies (beside it, and in its run folder where it is
-    <runs_dir>/<run_name>/checkpoints)."""
+    <runs_dir>/<run_name>/checkpoints). With --init_from RUN, over the settings of that run's
+    model (model_settings(its training settings) names them): one given that contradicts them is
+    refused."""
     for name in RETIRED_FLAGS:
         if any(flag_given(argv, f"{no}{name}") for no in ("", "no-", "no_")):
             raise retired(name)
+    start = given_value(argv, "init_from")
+    if start and given_value(argv, "resume") not in (None, "", "auto"):
+        raise UserError(
+            f"--init_from {start} starts a new run, --resume continues one: give one of them"
+        )
     recorded, folder = resume.recorded_flags(given_value(argv, "resume") or "")
     for name, setting in RETIRED_SETTINGS.items():
         if recorded.get(name) == setting:
             raise retired(name, setting)
-    if recorded:
-        facts = facts_of(cls)
-        recorded = {k: v for k, v in recorded.items() if k not in facts or facts[k].carried}
-        recorded = since(cls) | recorded  # a setting that came later: as that run trained
-        recorded["save_dir"] = str(folder.parent)
-        # <runs_dir>/<run_name>/checkpoints: that run folder
-        if folder.parent.name == "checkpoints":
-            run_folder = folder.parent.parent
-            recorded |= {
-                "runs_dir": str(run_folder.parent),
-                "run_name": run_folder.name,
-                "save_dir": "",
-            }
-    given = parse(cls, argv, recorded)
+    if start and model_settings is not None:
+        given = initialised(cls, argv, start, model_settings)
+    else:
+        given = parse(cls, argv, resumed_settings(cls, recorded, folder))
     settings = flat(given)
     for name, setting in RETIRED_SETTINGS.items():
         if settings.get(name) == setting:
             raise retired(name, setting)
+    return given
+
+
+def resumed_settings(cls: type, recorded: dict, folder: Path | None) -> dict:
+    """The flags a run continued by --resume PATH takes from its record (`recorded`, its
+    checkpoint's in `folder`): those carried, a flag it predates at the value it trained with, and
+    where it writes."""
+    if not recorded:
+        return {}
+    facts = facts_of(cls)
+    recorded = {k: v for k, v in recorded.items() if k not in facts or facts[k].carried}
+    recorded = since(cls) | recorded  # a setting that came later: as that run trained
+    recorded["save_dir"] = str(folder.parent)
+    # <runs_dir>/<run_name>/checkpoints: that run folder
+    if folder.parent.name == "checkpoints":
+        run_folder = folder.parent.parent
+        recorded |= {
+            "runs_dir": str(run_folder.parent),
+            "run_name": run_folder.name,
+            "save_dir": "",
+        }
+    return recorded
+
+
+def initialised(cls: type, argv: list[str], start: str, model_settings: Callable):
+    """The flags of a run started --init_from `start`: the command line's, over the settings of
+    that run's model (resume.initial finds it); a setting given that contradicts them refused."""
+    chosen = resume.initial(start, model_settings, since(cls))
+    model = {name: chosen.training[name] for name in model_settings(chosen.training)}
+    given = parse(cls, argv, model)
+    for name, setting in model.items():
+        mine = flat(given)[name]
+        if flag_given(argv, name) and mine != setting:
+            raise UserError(
+                f"--{name} {mine}: --init_from {start} holds a model of --{name} {setting} "
+                f"({chosen.folder}); leave --{name} out or give {setting}"
+            )
     return given
 
 
@@ -142,5 +178,9 @@ def main(
     except NoRoom as error:  # a write the run needs failed: say what is saved, and how to go on
         print(f"error: {error}; {record.after_a_failed_write(folders(given))}", file=sys.stderr)
         raise SystemExit(EX_IOERR) from None
+    except tasks.RewardFailed as error:  # the user's reward, mid-run: what is saved, how to go on
+        after = record.after_a_failed_write(folders(given), "mend the reward")
+        print(f"error: {error}; {after}", file=sys.stderr)
+        raise SystemExit(EX_DATAERR) from None
     except cluster.Stopped as stopped:  # before anything was saved (docs/design.org: exit codes)
         raise SystemExit(stopped.say()) from None

@@ -340,10 +340,12 @@ def gathered(name: str, base: type, **tables: dict) -> type:
     """The flags dataclass `name` of base's flags and of every entry's own: `tables` {the flag that
     picks an entry: its table {name: entry}}, an entry's `flags` a frozen flags dataclass declared
     beside it (or None), gathered as a group under the entry's name (--help's section "NAME
-    options"; every flag is still --NAME). An entry's flags that are not a frozen dataclass, or a
-    name of theirs or of their group that is taken, are refused here: when the script that
-    declares them is imported."""
-    taken = set(hints_of(base)) | {field.name for field in dataclasses.fields(base)}
+    options"; every flag is still --NAME, and a group may share its name with a flag, as --model's
+    own). An entry's flags that are not a frozen dataclass, a name of theirs that is a flag's, or
+    their group's name that is another group's, are refused here: when the script that declares
+    them is imported."""
+    taken = set(hints_of(base))  # flags' names
+    groups = {field.name for field in dataclasses.fields(base)}  # groups' (a flag's may be one)
     fields = []
     for table in tables.values():
         for name, entry in table.items():
@@ -352,10 +354,13 @@ def gathered(name: str, base: type, **tables: dict) -> type:
                 continue
             if not (dataclasses.is_dataclass(own) and own.__dataclass_params__.frozen):
                 raise TypeError(f"entry {name}: its flags must be a frozen dataclass, got {own!r}")
-            clash = ({name} | set(hints_of(own))) & taken
+            if name in groups:
+                raise TypeError(f"entry {name}: the name {name} is taken by a group of flags")
+            clash = set(hints_of(own)) & taken
             if clash:
                 raise TypeError(f"entry {name}: the name {sorted(clash)[0]} is taken by a flag")
-            taken |= {name} | set(hints_of(own))
+            taken |= set(hints_of(own))
+            groups.add(name)
             fields.append(
                 (name, Annotated[own, *section()], dataclasses.field(default_factory=own))
             )
@@ -382,5 +387,7 @@ def conditions(**tables: dict) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def since(cls: type) -> dict[str, Any]:
-    """{flag: the value runs from before it trained with} of every flag whose facts say one."""
-    return {name: f.before for name, f in facts_of(cls).items() if f.before is not None}
+    """{flag: the value runs from before it trained with} of every flag whose facts say one, as a
+    run's record has it (JSON: a tuple as a list)."""
+    found = {name: f.before for name, f in facts_of(cls).items() if f.before is not None}
+    return {name: list(v) if isinstance(v, tuple) else v for name, v in found.items()}

@@ -96,15 +96,21 @@ def explore(setting, rng: np.random.Generator, sigma_range: tuple[int, int]):
 
 
 def pbt_step(
-    scores: list[float], settings: list, seed: int, generation: int, sigma_range: tuple[int, int]
+    scores: list[float],
+    settings: list,
+    seed: int,
+    generation: int,
+    sigma_range: tuple[int, int],
+    higher: bool = False,
 ):
-    """Exploit and explore: the worst quarter of the replicas by validation bits/byte (ties: the
-    higher index is worse) each copies one of the best quarter (the worst the best, the second
-    worst the second best, ...) and moves the copied settings (explore, from an RNG seeded by the
-    run's seed and the generation, so a resumed run draws the same); each keeps its own seed, so no
-    two replicas ever share their noise. Returns (the replica each replica's model now comes from,
-    the new settings, the lineage: who copied whom, old -> new settings)."""
-    order = sorted(range(len(scores)), key=lambda k: (scores[k], k))
+    """Exploit and explore: the worst quarter of the replicas by their validation scores (lower is
+    better; higher where `higher`; ties: the higher index is worse) each copies one of the best
+    quarter (the worst the best, the second worst the second best, ...) and moves the copied
+    settings (explore, from an RNG seeded by the run's seed and the generation, so a resumed run
+    draws the same); each keeps its own seed, so no two replicas ever share their noise. Returns
+    (the replica each replica's model now comes from, the new settings, the lineage: who copied
+    whom, old -> new settings)."""
+    order = sorted(range(len(scores)), key=lambda k: (-scores[k] if higher else scores[k], k))
     quarter = len(scores) // 4
     rng = np.random.default_rng([seed, generation])
     source, new, lineage = np.arange(len(scores), dtype=np.int32), list(settings), []

@@ -171,25 +171,32 @@ class RunRecord:
 
 
 def train_metrics(
-    fitness: np.ndarray, moved: np.ndarray, alpha: float | None, bits, size: int
+    fitness: np.ndarray, moved: np.ndarray, alpha: float | None, value, size: int, metric: str
 ) -> dict:
-    """A replica's train/ metrics of a generation from its members' fitness (`bits` turns one into
-    bits/byte), its update's moved counts (of `size` parameters) and its alpha (None: its update
-    rule reads none)."""
+    """A replica's train/ metrics of a generation: the mean, best (most fitness) and worst of its
+    members' fitness in the objective's metric (`value` turns one into it: bits/byte, reward), its
+    update's moved counts (of `size` parameters) and its alpha (None: its update rule reads
+    none)."""
     metrics = {
-        "train/bits_per_byte": bits(fitness.mean()),
-        "train/best_bits_per_byte": bits(fitness.max()),
-        "train/worst_bits_per_byte": bits(fitness.min()),
+        f"train/{metric}": value(fitness.mean()),
+        f"train/best_{metric}": value(fitness.max()),
+        f"train/worst_{metric}": value(fitness.min()),
         "train/moved_fraction": int(np.sum(moved, dtype=np.int64)) / size,
     }
     return metrics if alpha is None else metrics | {"train/alpha": alpha}
 
 
-def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool = True) -> dict:
+def replica_metrics(
+    per_replica: list[dict],
+    settings: list[dict],
+    metric: str = "bits_per_byte",
+    higher: bool = False,
+    summary: bool = True,
+) -> dict:
     """A single run's metrics as they are; with replicas, each replica's as replica/K/NAME with its
     settings (a series of its own in W&B; `settings`: each replica's, by name, its seed left out),
-    and with `summary` the best replica's bits/byte under the plain names (what sweeps and the
-    progress bar read)."""
+    and with `summary` the best replica's value of each metric named ...`metric` (the highest where
+    `higher`, else the lowest) under the plain names (what sweeps and the progress bar read)."""
     if len(per_replica) == 1:
         return per_replica[0]
     out = {}
@@ -197,29 +204,39 @@ def replica_metrics(per_replica: list[dict], settings: list[dict], summary: bool
         out.update({f"replica/{k}/{name}": v for name, v in values.items()})
         out.update({f"replica/{k}/{name}": v for name, v in setting.items() if name != "seed"})
     if summary:
-        bits = [name for name in per_replica[0] if name.endswith("bits_per_byte")]
-        out.update({name: min(x[name] for x in per_replica) for name in bits})
+        best = max if higher else min
+        names = [name for name in per_replica[0] if name.endswith(metric)]
+        out.update({name: best(x[name] for x in per_replica) for name in names})
     return out
 
 
-def describe_spread(scores: list[float]) -> str:
+def describe_spread(scores: list[float], higher: bool = False) -> str:
     """' (best of K replicas, median M, worst W)', or nothing for a single run."""
     if len(scores) == 1:
         return ""
+    worst = min(scores) if higher else max(scores)
     return (
         f" (best of {len(scores)} replicas, median {statistics.median(scores):.3f}, "
-        f"worst {max(scores):.3f})"
+        f"worst {worst:.3f})"
     )
 
 
-def describe_end(scores: list[float], leader: int, setting: str, epochs: int) -> str:
+def describe_end(
+    scores: list[float],
+    leader: int,
+    setting: str,
+    epochs: int,
+    metric: str = "bits_per_byte",
+    higher: bool = False,
+) -> str:
     """A finished run's validation: the best replica's (`setting`: its settings, with replicas)."""
     which = (
-        f" (replica {leader} of {len(scores)}, {setting}){describe_spread(scores)}"
+        f" (replica {leader} of {len(scores)}, {setting}){describe_spread(scores, higher)}"
         if setting
         else ""
     )
-    return f"validation bits/byte {scores[leader]:.4f} after {epochs} generations{which}"
+    name = metric.replace("_per_", "/")  # bits/byte
+    return f"validation {name} {scores[leader]:.4f} after {epochs} generations{which}"
 
 
 def describe_validation(scores: list[float], leader: int) -> str:
@@ -236,7 +253,9 @@ class Console:
     bits/byte, tokens/s) and its seconds: from its dispatch, or the reading of the generation before
     it if later, to the reading of its numbers (the first, which warms up, is not timed)."""
 
-    def __init__(self, total: int, start: int, writer: bool, started: float):
+    def __init__(
+        self, total: int, start: int, writer: bool, started: float, metric: str = "bits_per_byte"
+    ):
         from tqdm import tqdm
 
         self.log = tqdm.write if writer else (lambda *a, **k: None)  # above the bar, not inside it
@@ -246,6 +265,7 @@ class Console:
         )
         self.start, self.started, self.read, self.timed = start, started, started, []
         self.record = None  # the RunRecord, once opened
+        self.metric = metric  # the train/ metric the bar shows
 
     def lap(self, generation: int, dispatched: float) -> float:
         """The seconds of a generation whose numbers were read just now."""
@@ -262,7 +282,7 @@ class Console:
             self.record.log(metrics, done)
         self.bar = self.bar or self.new_bar()
         self.bar.update(1)
-        shown = {"train": f"{metrics['train/bits_per_byte']:.3f}"}
+        shown = {"train": f"{metrics[f'train/{self.metric}']:.3f}"}
         if not math.isnan(scores[leader]):  # validated at least once
             shown["val"] = describe_validation(scores, leader)
         self.bar.set_postfix(**shown, tok_s=f"{metrics['perf/tokens_per_s']:,.0f}")
@@ -279,9 +299,9 @@ class Console:
                 self.bar = None
             raise
 
-    def close(self, tokens: int) -> None:
-        """The mean throughput of the timed generations of `tokens` tokens each; the bar and record
-        closed."""
+    def close(self, tokens: int, what: str = "tokens") -> None:
+        """The mean throughput of the timed generations of `tokens` tokens (or `what`) each; the bar
+        and record closed."""
         if self.bar is not None:
             self.bar.close()
         if self.record is not None:
@@ -290,7 +310,7 @@ class Console:
         if self.timed:
             rate = tokens * len(self.timed) / sum(self.timed)
             self.log(
-                f"mean training throughput {rate:,.0f} tokens/s (first generation, which compiles, "
+                f"mean training throughput {rate:,.0f} {what}/s (first generation, which compiles, "
                 "excluded)"
             )
 
@@ -307,15 +327,15 @@ def tolerated(what: str, log, after: str = "training goes on"):
         log(f"warning: {what} failed ({type(error).__name__}: {error}); {after}")
 
 
-def after_a_failed_write(folders: Folders) -> str:
-    """What a run stopped by a failed write has left and how to go on: its newest checkpoint and
-    the command that continues from it, once there is room again."""
+def after_a_failed_write(folders: Folders, remedy: str = "make room") -> str:
+    """What a run stopped by a failed write (or another fault the user mends: `remedy`) has left
+    and how to go on: its newest checkpoint and the command that continues from it."""
     saved = checkpoints_in(folders.checkpoints)
     if not saved:
-        return "nothing was saved: make room, then run the same command again"
+        return f"nothing was saved: {remedy}, then run the same command again"
     resume = shlex.quote(str(folders.resume_target()))
     return (
-        f"the last whole checkpoint is {saved[-1]}: make room, then continue with: python run.py "
+        f"the last whole checkpoint is {saved[-1]}: {remedy}, then continue with: python run.py "
         f"--resume {resume}"
     )
 

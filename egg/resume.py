@@ -25,11 +25,12 @@ from egg.files import write_atomic
 from egg.flags import translated
 
 
-def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
+def find_checkpoints(resume: str, save_dir: Path, flag: str = "--resume") -> list[Path]:
     """Checkpoints to try, best first: --resume PATH (a run folder, a save_dir: its newest; or one
     checkpoint) or auto (the newest in save_dir, then older ones should it be unreadable). Newest
     means the highest generation, not LATEST: a kill between a checkpoint's rename and LATEST's
-    leaves LATEST one save behind, and that complete checkpoint must not be skipped."""
+    leaves LATEST one save behind, and that complete checkpoint must not be skipped. `flag` names
+    the flag that gave the path in a refusal."""
     if resume == "auto":
         return checkpoints_in(save_dir)[::-1]
     path, give = (
@@ -37,15 +38,29 @@ def find_checkpoints(resume: str, save_dir: Path) -> list[Path]:
         "give a run folder, its checkpoints folder or one checkpoint",
     )
     if not path.exists():
-        raise UserError(f"--resume {resume}: no such path; {give}")
+        raise UserError(f"{flag} {resume}: no such path; {give}")
     if not path.is_dir():
-        raise UserError(f"--resume {resume}: a file, not a checkpoint; {give}")
+        raise UserError(f"{flag} {resume}: a file, not a checkpoint; {give}")
     for folder in (path / "checkpoints", path):
         if checkpoints_in(folder):
             return [checkpoints_in(folder)[-1]]
     if not (path / "meta.json").exists():
-        raise UserError(f"--resume {resume}: no checkpoint there; {give}")
+        raise UserError(f"{flag} {resume}: no checkpoint there; {give}")
     return [path]
+
+
+def best_checkpoint(run: str, flag: str) -> Path:
+    """The best checkpoint by validation of a run (its run folder or its checkpoints folder): the
+    one its BEST pointer names."""
+    path = Path(run).expanduser()
+    for folder in (path / "checkpoints", path):
+        pointer = folder / "BEST"
+        if pointer.is_file() and (folder / pointer.read_text().strip()).is_dir():
+            return folder / pointer.read_text().strip()
+    raise UserError(
+        f"{flag} {run}:best: no best checkpoint there (a run validated at least once has one); "
+        "give a run folder or its checkpoints folder"
+    )
 
 
 def recorded_flags(resume: str) -> tuple[dict, Path | None]:
@@ -109,15 +124,18 @@ def replicas_held(meta: dict) -> int:
     return 1 if "replica" in meta else len(meta.get("replica_settings") or [None])
 
 
-def sampled(resume: str, save_dir: Path, which: int, needs, since: dict) -> Sampled:
+def sampled(
+    resume: str, save_dir: Path, which: int, needs, since: dict, flag: str = "--resume"
+) -> Sampled:
     """The checkpoint --sample --resume reads and the replica of it `which` names (-1: the best by
     its last validation), refused in one line where there is none or where it does not record the
-    settings `needs(its training settings)` names (its model's); `since` as Wanted's."""
+    settings `needs(its training settings)` names (its model's); `since` as Wanted's; `flag`: the
+    flag that names it (--init_from reads a model the same way)."""
     if not resume:
         raise UserError(
             "--sample needs --resume PATH: a run folder, its checkpoints folder or one checkpoint"
         )
-    found = find_checkpoints(resume, save_dir)
+    found = find_checkpoints(resume, save_dir, flag)
     if not found:
         raise UserError(f"--sample --resume {resume}: no checkpoint in {save_dir}")
     try:
@@ -130,8 +148,8 @@ def sampled(resume: str, save_dir: Path, which: int, needs, since: dict) -> Samp
     missing = [name for name in needs(meta["training"]) if name not in meta["training"]]
     if missing:
         raise UserError(
-            f"--sample: {found[0]} records no --{missing[0]}: it predates the flag, which its "
-            "model reads; sample it with the code that trained it"
+            f"{flag}: {found[0]} records no --{missing[0]}: it predates the flag, which its "
+            "model reads; read it with the code that trained it"
         )
     training, replicas = meta["training"], replicas_held(meta)
     if replicas == 1:
@@ -140,6 +158,17 @@ def sampled(resume: str, save_dir: Path, which: int, needs, since: dict) -> Samp
     if chosen >= replicas:
         raise UserError(f"--sample_replica {chosen}: {found[0]} holds replicas 0 to {replicas - 1}")
     return Sampled(found[0], flags, training, replicas, chosen, meta["replica_settings"][chosen])
+
+
+def initial(spec: str, needs, since: dict) -> Sampled:
+    """The model --init_from starts a new run from: RUN (a run folder, its checkpoints folder or
+    one checkpoint) its newest checkpoint, RUN:best its best by validation; of several replicas,
+    the best by its last validation; refused in one line where there is none or where it does not
+    record its model's settings (`needs`, `since` as sampled's)."""
+    if spec.endswith(":best"):
+        folder = best_checkpoint(spec.removesuffix(":best"), "--init_from")
+        return sampled(str(folder), Path(), -1, needs, since, "--init_from")
+    return sampled(spec, Path(), -1, needs, since, "--init_from")
 
 
 def acts(settings: dict, name: str, conditions: dict) -> bool:

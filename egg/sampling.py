@@ -46,10 +46,11 @@ def probabilities(bits, generated, temperature: float, min_p: float, penalty: fl
     return weights / weights.sum()
 
 
-def continuation(read, prompt: bytes, flags: Flags, seed: int) -> bytes:
-    """flags.max_new_bytes bytes continuing `prompt`, drawn with a generator seeded by `seed`:
-    read(data) gives the next byte's log2-probabilities in bits once the model (which
-    keeps its own state) has read these bytes: one value for each of the bytes."""
+def continuation(read, prompt: bytes, flags: Flags, seed: int, stop: int | None = None) -> bytes:
+    """flags.max_new_bytes bytes continuing `prompt`, drawn with a generator seeded by `seed`, or
+    fewer, ending before a `stop` byte: read(data) gives the next byte's log2-probabilities in
+    bits once the model (which keeps its own state) has read these bytes: one value for each of
+    the bytes."""
     rng, bits = np.random.default_rng(seed), read(prompt)
     generated, out = np.zeros(len(bits), bool), bytearray()
     for _ in range(flags.max_new_bytes):
@@ -57,6 +58,8 @@ def continuation(read, prompt: bytes, flags: Flags, seed: int) -> bytes:
             bits, generated, flags.temperature, flags.min_p, flags.presence_penalty
         )
         byte = int(rng.choice(len(bits), p=chances))
+        if byte == stop:
+            break
         out.append(byte)
         generated[byte] = True
         bits = read(bytes([byte]))

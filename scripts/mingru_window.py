@@ -69,7 +69,9 @@ def main(args: Args) -> None:
         )
     )
     window = cfg._replace(model="mingru_window")
-    run.MODELS["mingru_window"] = run.MODELS["mingru"]._replace(step=None, window=mingru_window)
+    run.MODELS["mingru_window"] = run.MODELS["mingru"]._replace(
+        step=None, window=mingru_window, context=run.window_length
+    )
     params = run.init_params(cfg, 0)
     noise = run.generation_noise(cfg, 0, jnp.int32(0))
     rng = np.random.default_rng(0)

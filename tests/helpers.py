@@ -116,8 +116,8 @@ TINY = (
 
 
 def add_entries(monkeypatch, **entries):
-    """Each entry added to its table (models=, shapings=, rules= {name: entry}), then what importing
-    run.py derives from the tables: Args and CONDITIONS (run.every_flag)."""
+    """Each entry added to its table (models=, shapings=, rules=, objectives= {name: entry}), then
+    what importing run.py derives from the tables: Args and CONDITIONS (run.every_flag)."""
     for table, added in entries.items():
         for name, entry in added.items():
             monkeypatch.setitem(getattr(run, table.upper()), name, entry)

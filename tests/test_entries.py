@@ -8,6 +8,7 @@ them is found, not wrapped silently."""
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +71,22 @@ def shaping_problems(name: str) -> list[str]:
         if found.dtype != np.int8 or np.abs(found).max() > shaping.largest:
             problems.append(f"scores beyond its largest {shaping.largest} ({case})")
         if case == "unrelated":
-            rms = float(np.sqrt(np.mean(found.astype(np.float64) ** 2)))
-            print(f"{name}: null root mean square {rms:.3f}, declared {shaping.rms(own):.3f}")
-            if abs(rms / shaping.rms(own) - 1) >= 0.05:
-                problems.append(f"null root mean square {rms:.3f}, declared {shaping.rms(own):.3f}")
-    return problems
+            problems += null_problems(name, found, fitness.size // 2)
+    # a small population's: 2,048 updates of 8 pairs (16 members) each, unrelated to the noise
+    few = jnp.asarray(np.round(rng.normal(0, 3000, (2048, 8, 2))), jnp.int32)
+    found = jax.jit(jax.vmap(lambda f: shaping.scores(f, 8, None, own)))(few)
+    return problems + null_problems(name, np.asarray(found), 8)
+
+
+def null_problems(name: str, scores: np.ndarray, pairs: int) -> list[str]:
+    """A shaping's scores' root mean square on fitness unrelated to the noise, more than 5% off its
+    declared null at the pairs an update weighs."""
+    declared = run.SHAPINGS[name].rms(config("--shaping", name).shaping_flags, pairs)
+    rms = float(np.sqrt(np.mean(scores.astype(np.float64) ** 2)))
+    print(f"{name}: null root mean square {rms:.3f} at {pairs} pairs, declared {declared:.3f}")
+    if abs(rms / declared - 1) < 0.05:
+        return []
+    return [f"null root mean square {rms:.3f} at {pairs} pairs, declared {declared:.3f}"]
 
 
 @pytest.mark.parametrize("name", SHAPINGS)
@@ -134,6 +146,8 @@ def rule_problems(name: str) -> list[str]:
             )
             if np.asarray(moves).dtype != np.int32:
                 problems.append(f"moves of {np.asarray(moves).dtype}")
+            if np.any(np.asarray(moves)[:, :3]):  # under a threshold nothing passes
+                problems.append("moves where nothing passes its test")
             for slot, dtype in rule.state.items():
                 values, info = np.asarray(new[slot]), jnp.iinfo(dtype)
                 if values.min() < info.min or values.max() > info.max:
@@ -144,6 +158,58 @@ def rule_problems(name: str) -> list[str]:
 @pytest.mark.parametrize("name", RULES)
 def test_every_rules_state_stays_within_its_dtype_at_extreme_inputs(toys, name):
     assert rule_problems(name) == []
+
+
+def calibration_problems(name: str) -> list[str]:
+    """What a rule's thresholds break of their meaning: under the null (Z normal with the declared
+    std, unrelated from one generation to the next), its state first run for 600 generations under
+    a threshold nothing passes (the state's null, undisturbed by moves), the share of 40,000
+    entries that pass its test at a generation (whose moves or new state differ from those under
+    the threshold nothing passes) more than 15% off alpha, for a matrix's and a vector's Z, at
+    alpha 0.02, at each of its flags' extreme values."""
+    rule, problems = run.RULES[name], []
+    cfg = config("--optimizer", name)
+    sizes = run.Sizes(run.num_parameters(cfg), run.scored_pairs(cfg))
+    alpha, entries, burn = 0.02, 40_000, 600
+    for own in dict.fromkeys(flag_extremes(rule, sizes)):
+        for kind, z_std in enumerate(run.null_std(cfg._replace(rule_flags=own))):
+            threshold = int(run.z_thresholds(cfg._replace(rule_flags=own), alpha)[kind])
+
+            def step(state, z, threshold, own=own, z_std=z_std):
+                evidence = run.Evidence(jnp.int32(threshold), z_std, jnp.zeros(1, jnp.int32), 1.0)
+                moves, new = rule.step(z, state, evidence, own)
+                return moves, {slot: new[slot].astype(rule.state[slot]) for slot in rule.state}
+
+            @jax.jit
+            def passed(key, threshold=threshold, step=step, z_std=z_std):
+                def generation(state, key):
+                    z = jnp.round(jax.random.normal(key, (entries,)) * z_std).astype(jnp.int32)
+                    return step(state, z, run.INT32_MAX)[1], None
+
+                start = {slot: jnp.zeros(entries, dtype) for slot, dtype in rule.state.items()}
+                keys = jax.random.split(key, burn + 1)
+                state = jax.lax.scan(generation, start, keys[:-1])[0]
+                z = jnp.round(jax.random.normal(keys[-1], (entries,)) * z_std).astype(jnp.int32)
+                (moves, new), (still, kept) = (
+                    step(state, z, threshold),
+                    step(state, z, run.INT32_MAX),
+                )
+                differs = moves != still
+                for slot in new:
+                    differs |= new[slot] != kept[slot]
+                return jnp.mean(differs)
+
+            share = float(passed(jax.random.key(kind)))
+            print(f"{name} {own}: {share:.4f} of the entries pass at alpha {alpha} ({kind})")
+            if abs(share / alpha - 1) > 0.15:
+                which = ("matrix", "vector")[kind]
+                problems.append(f"{share:.4f} of {which} entries pass at alpha {alpha}")
+    return problems
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_every_rules_threshold_passes_the_share_alpha_under_the_null(toys, name):
+    assert calibration_problems(name) == []
 
 
 def recorded_matmul(monkeypatch) -> dict:
@@ -243,6 +309,7 @@ def model_problems(name: str, monkeypatch) -> list[str]:
     cfg = config("--model", name, "--tokens_per_update", "3", parallel_generations_per_gpu=8)
     model, bounds, problems = run.MODELS[name], run.accumulator_bounds(cfg), set()
     largest, attended = recorded_matmul(monkeypatch), recorded_attention(monkeypatch)
+    multiplied = recorded_products(monkeypatch)
     rng = np.random.default_rng(2)
     shapes = {k: run.full_shape(p, cfg) for k, p in run.parameters_of(cfg).items()}
     settings = {
@@ -289,7 +356,23 @@ def model_problems(name: str, monkeypatch) -> list[str]:
     for key, accumulator in recorded:
         if not 0 < largest[key] <= bounds[accumulator][0]:
             problems.add(f"the {accumulator} reaches {largest[key]:,} ({bounds[accumulator][0]:,})")
+    for names in multiplied - set(model.groups):  # the GPU kernel takes declared groups alone
+        problems.add(f"products of {', '.join(names)}, a group it does not declare")
+    if model.window is not None and model.context is None:
+        problems.add("a window model that declares no context")
     return sorted(problems)
+
+
+def recorded_products(monkeypatch) -> set:
+    """run.products, each call's tuple of matrices recorded (as the program is traced)."""
+    called, products = set(), run.products
+
+    def recording(w, x, names, *args, **kwargs):
+        called.add(tuple(names))
+        return products(w, x, names, *args, **kwargs)
+
+    monkeypatch.setattr(run, "products", recording)
+    return called
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -299,30 +382,129 @@ def test_every_models_activations_are_int8_and_accumulators_within_its_bounds(
     assert model_problems(name, monkeypatch) == []
 
 
+def objective_problems(name: str) -> list[str]:
+    """What an objective breaks of its declared facts: a member's fitness (made in the step: the
+    log-likelihood of bytes 255, 0 or at random; a reward of what members write to the addition
+    task's prompts, greedily and at a temperature) beyond its declared span, at parameters +-127
+    with the noise's largest entries; a span whose pair difference overflows int32; a reward
+    scored on the host (any float) beyond it; a metric that is not a float."""
+    objective, problems = run.OBJECTIVES[name], set()
+    task = ["--task", "addition", "--completion_bytes", "4"] if objective.reads == "prompts" else []
+    cfg = config("--objective", name, "--tokens_per_update", "3", *task)
+    cfg = cfg._replace(population=4, distinct_pairs=2)
+    least, most, _ = objective.span(cfg)
+    if most - least > run.INT32_MAX:
+        problems.add(f"a pair's difference reaches {most - least:,} beyond int32")
+    rng = np.random.default_rng(3)
+    shapes = {k: run.full_shape(p, cfg) for k, p in run.parameters_of(cfg).items()}
+    rows = [np.full(6, 255), np.zeros(6), rng.integers(0, 256, 6)]
+    if objective.reads == "prompts":  # prompts as the task's (digits), and bytes at random
+        rows = [np.frombuffer(b"\x0099+99=", np.uint8), np.frombuffer(b"\x000+0=", np.uint8)]
+        rows += [rng.integers(1, 256, 7)]
+
+    @partial(jax.jit, static_argnums=3)
+    def fitness(params, noise, row, temperature):
+        flags = cfg.objective_flags
+        own = (
+            cfg
+            if flags is None
+            else cfg._replace(objective_flags=temperature_of(flags, temperature))
+        )
+        states = jnp.zeros((4, *run.carried_state(own)), jnp.int8)
+        inputs = jnp.broadcast_to(jnp.asarray(row, jnp.uint8), (4, len(row)))
+        if objective.reads == "prompts":
+            answers = jnp.full((4, 1, 3), ord("9"), jnp.uint8)
+            inputs = run.Prompts(inputs[:, None], answers)
+        draws = run.draw_sources(own, 0, jnp.int32(0), 0, 4)
+        out = objective.fitness(own, params, lambda s: noise, states, inputs, 0, draws)[0]
+        return out
+
+    for value in (127, -127, None):
+        params = {
+            k: jnp.asarray(
+                rng.choice([-127, 127], s) if value is None else np.full(s, value), jnp.int8
+            )
+            for k, s in shapes.items()
+        }
+        for noise in (extreme_noise(cfg, 1), extreme_noise(cfg, -1)):
+            for row in rows:
+                for temperature in (0.0, 1.0):
+                    found = np.asarray(fitness(params, noise, row, temperature))
+                    if found.dtype != np.int32 or found.min() < least or found.max() > most:
+                        problems.add(
+                            f"a fitness of {found.min():,} to {found.max():,} beyond its span"
+                        )
+    if objective.reads == "prompts":  # scored on the host
+        found = run.reward_as_fitness(np.array([1e300, -1e300, 2.0**-20, -0.5]))
+        if found.min() < least or found.max() > most:
+            problems.add(
+                f"a host reward's fitness of {found.min():,} to {found.max():,} beyond its span"
+            )
+    if not all(isinstance(objective.value(f, cfg), float) for f in (least, most)):
+        problems.add("a metric that is not a float")
+    return sorted(problems)
+
+
+def temperature_of(flags, temperature: float):
+    """An objective's own flags at this --completion_temperature."""
+    return dataclasses.replace(flags, completion_temperature=temperature)
+
+
+@pytest.mark.parametrize("name", run.OBJECTIVES)
+def test_every_objectives_fitness_lies_within_its_declared_span(name):
+    assert objective_problems(name) == []
+
+
 def test_an_understated_fact_of_an_entry_is_found(monkeypatch):
-    """Four entries that understate the truth: a shaping whose scores go beyond its largest, one
-    whose null is not its declared one, a rule whose tally outgrows its int8 state, a model that
-    declares its products' bounds for half its width: each found, none wrapped silently."""
+    """Entries that understate the truth: a shaping whose scores go beyond its largest, one whose
+    null is not its declared one, one whose null cannot see the pairs; a rule whose tally outgrows
+    its int8 state, one whose declared spread misstates its null, one that moves whatever its
+    threshold; a model that declares its products' bounds for half its width, one that leaves a
+    product out of its groups; an objective whose span is too narrow: each found, none silent."""
     doubled = CENTERED_RANKS._replace(largest=63)  # scores up to 127
-    loud = run.SHAPINGS["sign"]._replace(rms=lambda flags: 1.2)
+    loud = run.SHAPINGS["sign"]._replace(rms=lambda flags, pairs: 1.2)
+    many = CENTERED_RANKS._replace(rms=lambda flags, pairs: 127 / 6**0.5)  # many pairs' alone
     unclipped = TALLY._replace(
         step=lambda z, state, evidence, flags: (
             jnp.zeros_like(z),
             {"t": state["t"].astype(jnp.int32) + jnp.sign(z)},  # never moves, never clipped
         )
     )
+    passes = run.RULES["ztest"]._replace(  # the Z-test without a flag of its own
+        step=lambda z, state, evidence, flags: (
+            jnp.sign(z) * (jnp.abs(z) > evidence.threshold),
+            {},
+        ),
+        flags=None,
+    )
+    wide = passes._replace(spread=lambda z_std, flags: 1.3 * z_std)
+    restless = passes._replace(step=lambda z, state, evidence, flags: (jnp.full_like(z, 100), {}))
     narrow = GRU._replace(bounds=lambda cfg: run.product_bounds(cfg.n_embd // 2, cfg.rank))
+    ungrouped = GRU._replace(groups=GRU.groups[:2] + GRU.groups[3:])  # Uh's product left out
+    short = run.OBJECTIVES["likelihood"]._replace(span=lambda cfg: (-1000, 0, ""))
     add_entries(
         monkeypatch,
-        shapings={"doubled": doubled, "loud": loud},
-        rules={"unclipped": unclipped},
-        models={"narrow": narrow},
+        shapings={"doubled": doubled, "loud": loud, "many": many},
+        rules={"unclipped": unclipped, "wide": wide, "restless": restless},
+        models={"narrow": narrow, "ungrouped": ungrouped},
+        objectives={"short": short},
     )
     found = shaping_problems("doubled")
     assert "scores beyond its largest 63 (unrelated)" in found
     assert all(problem.startswith("scores beyond its largest 63 (") for problem in found)
-    assert shaping_problems("loud") == ["null root mean square 1.000, declared 1.200"]
+    assert shaping_problems("loud") == [
+        "null root mean square 1.000 at 16384 pairs, declared 1.200",
+        "null root mean square 1.000 at 8 pairs, declared 1.200",
+    ]
+    assert shaping_problems("many") == ["null root mean square 56.919 at 8 pairs, declared 51.848"]
     assert rule_problems("unclipped")[0] == "t reaches 128 beyond int8"  # the first wrap
+    found = calibration_problems("wide")
+    assert len(found) == 2 and all(" entries pass at alpha 0.02" in x for x in found)
+    assert rule_problems("restless") == ["moves where nothing passes its test"] * 2
+    assert model_problems("ungrouped", monkeypatch) == [
+        "products of Uh, a group it does not declare"
+    ]
+    assert objective_problems("short")[0].endswith("beyond its span")
     found = model_problems("narrow", monkeypatch)
     assert found == [
         "the low-rank product x B reaches 93,472 (46,736)",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TINY, add_entries, in_process, one_line_error
-from toys import CENTERED_RANKS, GRU, PAIR, TALLY, TallyFlags, tally_step
+from toys import CENTERED_RANKS, GRU, PAIR, TALLY, TallyFlags, centered_rank_rms, tally_step
 
 import run
 from egg import checkpoints, flags
@@ -45,9 +45,11 @@ def test_new_entries_are_flags_with_derived_thresholds_bounds_and_state(ideas, c
         and run.num_parameters(cfg) == 256 * 16 * 2 + 2 * (4 * 16 * 16 + 3 * 16) + 16
     )
     sign = run.make_config(flags.replace(args, shaping="sign"))
-    # the null std of a vector's Z grows with the scores' root mean square: 127 / sqrt(6) times
-    # the sign scores'
-    assert run.null_std(cfg)[1] == pytest.approx(127 / 6**0.5 * run.null_std(sign)[1])
+    # the null std of a vector's Z grows with the scores' root mean square: the centered ranks'
+    # at the pairs an update weighs (near 127 / sqrt(6)) times the sign scores'
+    rms = centered_rank_rms(None, run.scored_pairs(cfg))
+    assert 127 / 6**0.5 < rms < 1.001 * 127 / 6**0.5
+    assert run.null_std(cfg)[1] == pytest.approx(rms * run.null_std(sign)[1])
     # the rule tests |Z| as the Z-test does: the same thresholds
     ztest = run.make_config(flags.replace(args, optimizer="ztest"))
     np.testing.assert_array_equal(run.z_thresholds(cfg, 0.1), run.z_thresholds(ztest, 0.1))

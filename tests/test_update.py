@@ -541,7 +541,7 @@ def test_max_step_zero_allows_two_steps_where_an_update_weighs_step2_pairs():
         args = dataclasses.replace(args, model=dataclasses.replace(args.model, **model))
         cfg = run.make_config(args)
         assert run.scored_pairs(cfg) == population // 2
-        identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
+        identity = run.training_identity(args, cfg, "8 bytes")
         return cfg.rule_flags.max_step, identity["max_step"]
 
     at = 2 * run.STEP2_PAIRS
@@ -557,7 +557,7 @@ def resolved_setting(name: str, *flags: str) -> int:
     checkpoint records."""
     args = run.parse_args(["--parallel_generations_per_gpu", "8", *flags])
     cfg = run.make_config(args)
-    identity = run.training_identity(args, cfg, np.zeros(8, np.uint8))
+    identity = run.training_identity(args, cfg, "8 bytes")
     assert identity[name] == chosen(cfg, name)
     return chosen(cfg, name)
 

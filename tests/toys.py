@@ -28,11 +28,14 @@ def centered_rank_scores(fitness, pairs, axis, flags):
     return (jnp.sign(difference) * (jnp.abs(difference) // (2 * pairs - 1))).astype(jnp.int8)
 
 
-# the null's: two distinct ranks of M, E[(r+ - r-)**2] = M (M + 1) / 6, times (127 / (M - 1))**2;
-# 127 / sqrt(6) for many members (within 5% from 64)
-CENTERED_RANKS = run.Shaping(
-    centered_rank_scores, run.INT8_MAX, lambda flags: run.INT8_MAX / 6**0.5, lambda cfg: {}
-)
+def centered_rank_rms(flags, pairs):
+    """The null's: two distinct ranks of M = 2 pairs members, E[(r+ - r-)**2] = M (M + 1) / 6,
+    times (127 / (M - 1))**2 (127 / sqrt(6) for many members; 127 for one pair)."""
+    members = 2 * pairs
+    return run.INT8_MAX / (members - 1) * (members * (members + 1) / 6) ** 0.5
+
+
+CENTERED_RANKS = run.Shaping(centered_rank_scores, run.INT8_MAX, centered_rank_rms, lambda cfg: {})
 
 
 # An update rule with a flag of its own: a tally of passed tests.
@@ -119,4 +122,5 @@ PAIR = run.Model(
     groups=(("head",),),
     bounds=lambda cfg: run.product_bounds(cfg.n_embd, cfg.rank),
     traffic=lambda cfg: 4 * cfg.n_embd + 2 * run.VOCAB,
+    context=run.window_length,  # a segment's bytes: every byte but the first has one before it
 )
