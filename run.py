@@ -279,6 +279,8 @@ RECIP_BITS = 16  # layer-norm multipliers 1/m for m in [1, 127]: real = q / 2**1
 MUL_BITS = 14  # constant rescale multipliers: real = q / 2**14, q in (2**13, 2**14]
 GAUSS_BITS = 8  # each noise entry is a 256-entry normal-quantile table indexed by 8 random bits
 FIT_FRAC = 4  # normalised fitness scores: real = q / 2**4 (difference / mean |difference|), int8
+STD_FRAC = 3  # standardised scores: real = q / 2**3 (difference / root mean square difference)
+RMS_BITS = 8  # ...computed from |difference| / mean |difference| at q / 2**8, q < 2**15
 U_STD_BITS = 4  # momentum: u = Z >> shift with u's null std in [2**4, 2**5), clipped to int8
 ROOT_BITS = 15  # --null_from_scores: threshold x sqrt(S / S_null) from mantissas in [2**14, 2**15)
 REWARD_FRAC = 16  # a reward as a member's fitness: real = q / 2**16, rounded to the nearest
@@ -1659,9 +1661,39 @@ def sign_scores(fitness, pairs: int, axis, flags):
 
 
 def remainders_chunk(pairs: int) -> int:
-    """How many remainders |d| mod pairs (each < pairs) normalised_scores sums at a time: as many as
-    keep the sum int32."""
+    """How many remainders v mod pairs (each < pairs) floor_mean sums at a time: as many as keep
+    the sum int32."""
     return max(1, INT32_MAX // pairs)
+
+
+def floor_mean(values, pairs: int, axis):
+    """floor(sum / pairs) of non-negative int32 values over every pair (spread over the mesh axis
+    `axis`, or all here with None), exactly, without a wider type: sum floor(v / pairs) + floor(sum
+    (v mod pairs) / pairs), the second sum taken in chunks whose sums stay int32 (remainders_chunk):
+    sum floor(c / pairs) over the chunks' sums c, plus floor(sum (c mod pairs) / pairs), under
+    chunks x pairs (mean_bounds)."""
+    rest = (values % pairs).reshape(-1)
+    # no longer than the remainders: no padding beyond
+    chunk = min(remainders_chunk(pairs), rest.size)
+    sums = jnp.sum(jnp.pad(rest, (0, -rest.size % chunk)).reshape(-1, chunk), axis=1)
+    parts = jnp.stack([jnp.sum(values // pairs), jnp.sum(sums // pairs), jnp.sum(sums % pairs)])
+    quotients, chunked, rests = jax.lax.psum(parts, axis) if axis is not None else parts
+    return quotients + chunked + rests // pairs
+
+
+def ratio_bits(size, divisor, bits: int, most: int):
+    """min(floor(2**bits x size / divisor), most) of int32 sizes >= 0 and divisors >= 1, for every
+    int32 without a wider type: the quotient, then the fraction's bits by long division (the rest
+    < divisor < 2**31: twice it fits uint32)."""
+    quotient, rest = size // divisor, (size % divisor).astype(jnp.uint32)
+    divisor = divisor.astype(jnp.uint32)
+    scaled = jnp.minimum(quotient, most >> bits)  # more saturates below
+    for _ in range(bits):
+        rest = rest * 2
+        bit = rest >= divisor
+        rest = jnp.where(bit, rest - divisor, rest)
+        scaled = scaled * 2 + bit.astype(i32)
+    return jnp.where(quotient > most >> bits, most, scaled)
 
 
 def normalised_scores(fitness, pairs: int, axis, flags):
@@ -1669,27 +1701,24 @@ def normalised_scores(fitness, pairs: int, axis, flags):
     |d| over every pair (at least 1), exactly for every int32 d without a wider type."""
     diff = differences(fitness)
     size = jnp.abs(diff)
-    # floor(sum / pairs) = sum floor(d / pairs) + floor(sum (d mod pairs) / pairs), the second sum
-    # taken in chunks whose sums stay int32 (remainders_chunk): sum floor(c / pairs) over the
-    # chunks' sums c, plus floor(sum (c mod pairs) / pairs), under chunks x pairs
-    # (normalised_bounds)
-    rest = (size % pairs).reshape(-1)
-    # no longer than the remainders: no padding beyond
-    chunk = min(remainders_chunk(pairs), rest.size)
-    sums = jnp.sum(jnp.pad(rest, (0, -rest.size % chunk)).reshape(-1, chunk), axis=1)
-    parts = jnp.stack([jnp.sum(size // pairs), jnp.sum(sums // pairs), jnp.sum(sums % pairs)])
-    quotients, chunked, rests = jax.lax.psum(parts, axis) if axis is not None else parts
-    mean = jnp.maximum(quotients + chunked + rests // pairs, 1)
-    quotient, rest = size // mean, (size % mean).astype(jnp.uint32)
-    divisor = mean.astype(jnp.uint32)
-    scaled = jnp.minimum(quotient, INT8_MAX >> FIT_FRAC)  # 8 or more saturates at 127 below
-    for _ in range(FIT_FRAC):  # the fraction's bits by long division: rest < divisor < 2**31
-        rest = rest * 2
-        bit = rest >= divisor
-        rest = jnp.where(bit, rest - divisor, rest)
-        scaled = scaled * 2 + bit.astype(i32)
-    scaled = jnp.where(quotient > INT8_MAX >> FIT_FRAC, INT8_MAX, scaled)
-    return (jnp.sign(diff) * scaled).astype(jnp.int8)
+    mean = jnp.maximum(floor_mean(size, pairs, axis), 1)
+    return (jnp.sign(diff) * ratio_bits(size, mean, FIT_FRAC, INT8_MAX)).astype(jnp.int8)
+
+
+def standardised_scores(fitness, pairs: int, axis, flags):
+    """sign(d) min(round(2**STD_FRAC |d| / r), 127) of each pair's difference d, r the root mean
+    square of every pair's, all int32: first q = min(floor(2**RMS_BITS |d| / m), 2**15 - 1), m
+    the floor mean |d| (at least 1), then r = isqrt(floor(mean q**2)) (q**2 < 2**30) at q's
+    scale, and the score rounded half up from 2**(STD_FRAC + 1) q < 2**19. A pair's score is its
+    difference in units of the pairs' spread whatever their fitness's distribution: many ties (a
+    reward's) or none (a likelihood's)."""
+    diff = differences(fitness)
+    size = jnp.abs(diff)
+    mean = jnp.maximum(floor_mean(size, pairs, axis), 1)
+    q = ratio_bits(size, mean, RMS_BITS, 2**15 - 1)
+    root = jnp.maximum(isqrt(floor_mean(q * q, pairs, axis)), 1)  # 0: every pair tied
+    score = (q * 2 ** (STD_FRAC + 1) + root) // (2 * root)
+    return (jnp.sign(diff) * jnp.minimum(score, INT8_MAX)).astype(jnp.int8)
 
 
 @cache
@@ -1705,19 +1734,28 @@ def normalised_rms(flags=None, pairs: int = 0) -> float:
     return math.sqrt(second + INT8_MAX**2 * 2 * (1 - cdf(INT8_MAX * width)))
 
 
-def normalised_bounds(cfg: Config) -> dict:
-    """The sum of the remainders |d| mod pairs: each chunk's below 2**31, their remainders' sum
-    below (chunks + devices) x pairs."""
+def mean_bounds(cfg: Config) -> dict:
+    """floor_mean's sum of the remainders v mod pairs: each chunk's below 2**31, their remainders'
+    sum below (chunks + devices) x pairs."""
     pairs = scored_pairs(cfg)
     chunks = -(-pairs // remainders_chunk(pairs))
     return {
-        "sum of |pair difference| mod pairs (normalised fitness)": (chunks + cfg.devices) * pairs
+        "sum of a floor mean's remainders mod pairs (the shaping's)": (chunks + cfg.devices) * pairs
     }
+
+
+def standardised_rms(flags=None, pairs: int = 0) -> float:
+    """The null root mean square of round(8 |d| / r): the squares of d / r average exactly 1 over
+    the pairs, whatever their distribution and count, and rounding adds 1/12 (the clip at 127, at
+    16 root mean squares, is neglected: a pair beyond it needs fewer than 1 in 256 pairs to
+    differ)."""
+    return math.sqrt(2 ** (2 * STD_FRAC) + 1 / 12)
 
 
 SHAPINGS = {
     "sign": Shaping(sign_scores, 1, lambda flags, pairs: 1.0, lambda cfg: {}),
-    "normalised": Shaping(normalised_scores, INT8_MAX, normalised_rms, normalised_bounds),
+    "normalised": Shaping(normalised_scores, INT8_MAX, normalised_rms, mean_bounds),
+    "standardised": Shaping(standardised_scores, INT8_MAX, standardised_rms, mean_bounds),
 }
 
 
@@ -2192,6 +2230,22 @@ def check_bounds(cfg: Config) -> None:
             raise UserError(f"the {name} could reach {bound:,} > 2**31 - 1 (int32): use {remedy}")
 
 
+def check_window(cfg: Config) -> None:
+    """Refuse a window model reading bytes whose context is longer than a segment: it would read
+    fewer bytes at once than it declares."""
+    model = MODELS[cfg.model]
+    if model.window is None or OBJECTIVES[cfg.objective].reads != "bytes":
+        return
+    context, segment = model.context(cfg), window_length(cfg)
+    if context > segment:
+        raise UserError(
+            f"--model {cfg.model} reads {context} bytes at once, but a member reads {segment} with "
+            f"one perturbation (--tokens_per_update {cfg.tokens} in {cfg.segments} segments): give "
+            "more --tokens_per_update or fewer --segments"
+            + (", or a smaller --context" if hasattr(cfg.model_flags, "context") else "")
+        )
+
+
 def check_args(args: Args) -> None:
     """Refuse a bad configuration in one line naming the flag, before anything is compiled: every
     flag's range and choices and every replica's settings (egg/command.py), then the bounds."""
@@ -2200,6 +2254,7 @@ def check_args(args: Args) -> None:
     refusal = MODELS[cfg.model].check(cfg)
     if refusal:
         raise UserError(refusal)
+    check_window(cfg)
     check_bounds(cfg)
 
 
@@ -2651,7 +2706,7 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
 # ------------------------------------------------------------------------------------------------
 # Reading a model: one model reading bytes noise-free, for text from its integer logits and for the
 # health of its int8 activations. A byte model reads a byte a call, carrying its state; a window
-# model reads the window of bytes before each (as long as a member's in training, at most).
+# model reads the window of its context's bytes before each.
 
 
 def one_model(params, cfg: Config, rows: int) -> tuple[Perturbed, Any]:
@@ -2684,15 +2739,16 @@ def make_reader(cfg: Config):
 def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int, stop=None) -> bytes:
     """--prompt and its continuation by --max_new_bytes bytes (egg/sampling.py draws them, the same
     for a seed), or fewer, ending before a `stop` byte; the prompt read after a byte 0 (the
-    document separator); the logits of each call (log2-probabilities at LOGIT_FRAC) are read on the
-    host as bits: a sync point."""
+    document separator), a window model's every window whole (zeros before the start, as write
+    reads a prompt); the logits of each call (log2-probabilities at LOGIT_FRAC) are read on the host
+    as bits: a sync point."""
     read, carried = make_reader(cfg), one_model(params, cfg, 1)[1]
     window = MODELS[cfg.model].context(cfg) if MODELS[cfg.model].window is not None else 1
-    context = b""
+    context = bytes(window)
 
     def next_bits(data: bytes) -> np.ndarray:
         nonlocal carried, context
-        for byte in data:  # a byte a call: one program a length, for the prompt and the draws
+        for byte in data:  # a byte a call, each of one length: one program
             context = (context + bytes([byte]))[-window:]
             carried, logits = read(params, carried, np.frombuffer(context, np.uint8))
         return np.asarray(logits, np.float64) / 2**LOGIT_FRAC
@@ -2740,14 +2796,17 @@ def activations(params, rows: np.ndarray, cfg: Config) -> dict:
 
 
 def default_run_name(args: Args) -> str:
-    """A run's name from its flags: data, model (its entry where not egg, its shape), alpha,
-    sigma_shift, rank, population x bytes x noise reuse, seed, and upstream's algorithm and the tag
-    where given."""
-    data = Path(args.corpus.data).name or "data"
+    """A run's name from its flags: data (the task's, and "reward" where it writes), model (its
+    entry where not egg, its shape), alpha, sigma_shift, rank, population x bytes (read, or
+    written) x noise reuse, seed, and upstream's algorithm and the tag where given."""
+    data = Path(args.tasks.task or args.corpus.data).name or "data"
+    length = args.tokens_per_update
+    if OBJECTIVES[args.objective].reads == "prompts":
+        data, length = f"{data}-reward", args.reward.completion_bytes
     model = f"{args.model.n_embd}D{args.model.n_layer}L"
     if args.model.model != "egg":
         model = f"{args.model.model}{model}"
-    population = f"{args.parallel_generations_per_gpu}x{args.tokens_per_update}x{args.noise_reuse}"
+    population = f"{args.parallel_generations_per_gpu}x{length}x{args.noise_reuse}"
     noise = f"a{args.alpha:g}-s{args.sigma_shift}-r{args.rank}"
     name = f"{data}-{model}-{noise}-{population}-seed{args.seed}"
     if args.algorithm == "upstream":
@@ -2964,7 +3023,8 @@ def written_fitness(written: jax.Array, generation: int, data: TaskPrompts, cfg:
     rows = prompts_at(data, cfg, generation)[0][groups].T  # (segments, m): their prompts
     indices = np.broadcast_to(rows, (replicas, segments, count)).reshape(-1)
     completions = [bytes(c).rstrip(b"\0") for c in mine.reshape(-1, length)]
-    rewards = tasks.score(data.task, data.task.train, indices, completions)
+    with cluster.refused_together(tasks.RewardFailed):  # every process stops in the same line
+        rewards = tasks.score(data.task, data.task.train, indices, completions)
     fitness = reward_as_fitness(rewards).reshape(mine.shape[:3])
     sharding = jax.sharding.NamedSharding(mesh, WRITTEN)
     shape = (replicas, segments, cfg.population)
@@ -3309,7 +3369,9 @@ def train(args: Args) -> dict:
         # bytes and records the one before; the host waits for a generation only where its values
         # are needed: to validate, diagnose, sample, save or stop.
         metrics, stopping, pending = {}, False, None
-        with console.ends_with_the_bar(), awaiting_jax_verdict(args.cluster.heartbeat_timeout):
+        together = (UserError, tasks.RewardFailed)  # raised by every process together: at once
+        verdict = awaiting_jax_verdict(args.cluster.heartbeat_timeout, together)
+        with console.ends_with_the_bar(), verdict:
             for generation in range(start, generations):
                 done = generation + 1
                 last = done == generations

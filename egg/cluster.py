@@ -469,15 +469,16 @@ REFUSAL_BYTES = 1024  # the longest refusal a process shares with the others (UT
 
 
 @contextmanager
-def refused_together():
-    """Within: this process's refusal (a UserError) is held to the block's end, where every process
-    of the run learns every one's (a gather of REFUSAL_BYTES each: a sync point) and raises the
-    first: a run one process refuses (process 0 alone owns the folders) ends in the same line, exit
-    2, on every process, within seconds. A run of one process: its refusal, as it comes."""
+def refused_together(kind: type = UserError):
+    """Within: this process's refusal (a UserError, or the `kind` given) is held to the block's end,
+    where every process of the run learns every one's (a gather of REFUSAL_BYTES each: a sync
+    point) and raises the first as a `kind`: a run one process refuses (process 0 alone owns the
+    folders) ends in the same line, exit 2, on every process, within seconds; a reward that fails
+    on one process's completions, alike. A run of one process: its refusal, as it comes."""
     refusal = None
     try:
         yield
-    except UserError as error:
+    except kind as error:
         if jax.process_count() == 1:
             raise
         refusal = error
@@ -491,17 +492,20 @@ def refused_together():
     for row in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, REFUSAL_BYTES):
         text = bytes(row).rstrip(b"\0").decode(errors="replace")
         if text:
-            raise UserError(text)
+            raise kind(text)
 
 
 @contextmanager
-def awaiting_jax_verdict(heartbeat_timeout: int):
+def awaiting_jax_verdict(heartbeat_timeout: int, own: tuple = (UserError,)):
     """In a run of several processes, an error inside a generation is most often a collective whose
     peer died (gloo: "connection reset by peer"): before raising it, wait for JAX to name the lost
     process, which it does by terminating this one within the heartbeat timeout (the supervisor
-    reports it). An error that JAX does not follow up is raised as it was."""
+    reports it). An error that JAX does not follow up is raised as it was; one of the kinds `own`
+    (the run's own: every process raises it together) at once."""
     try:
         yield
+    except own:
+        raise
     except Exception:
         if jax.process_count() > 1:
             time.sleep(heartbeat_timeout + 10)

@@ -55,7 +55,7 @@ BAD_INPUT = [
     (["--num_procs", "2", "--proc_id", "2"], "--proc_id must be below --num_procs, got 2 of 2"),
     (["--parallel_generations_per_gpu", "2097152", "--group_size", "2"], "Z of a matrix entry"),
     (["--no-fast_fitness", "--parallel_generations_per_gpu", "270336"], "or --shaping sign"),
-    (["--shaping", "ranks"], "--shaping must be one of sign, normalised, got ranks"),
+    (["--shaping", "ranks"], "--shaping must be one of sign, normalised, standardised, got ranks"),
     (["--optimizer", "adam"], "--optimizer adam: tried and not adopted"),
     (["--mlp_relu"], "--mlp_relu: tried and not adopted (docs/results.org"),
     (["--tokens_per_update", "400000"], "use a smaller --tokens_per_update"),

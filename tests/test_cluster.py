@@ -84,11 +84,10 @@ def records(runs):
     return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
-def validations(runs) -> tuple:
-    """A run's validations in its records: ((generation, bits per byte), ...)."""
-    return tuple(
-        (r["generation"], r["val/bits_per_byte"]) for r in records(runs) if "val/bits_per_byte" in r
-    )
+def validations(runs, metric: str = "bits_per_byte") -> tuple:
+    """A run's validations in its records: ((generation, bits per byte, or its metric), ...)."""
+    name = f"val/{metric}"
+    return tuple((r["generation"], r[name]) for r in records(runs) if name in r)
 
 
 def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_processes(tmp_path):
@@ -108,6 +107,56 @@ def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_pr
     assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
     assert len({validations(tmp_path / layout) for layout in procs}) == 1
     assert len(validations(tmp_path / "one")) == 2
+
+
+def test_a_reward_run_is_the_same_on_one_device_four_and_two_processes(tmp_path):
+    """The reward objective scored on the host (each process scores its own members' completions:
+    only their fitness crosses) at a temperature (each pair's draws its own, wherever it runs): 1
+    device, 4 devices and 2 processes x 2 devices give the same parameters and validations."""
+    reward = ["--objective", "reward", "--task", "addition", "--reward", "egg.tasks:match_reward"]
+    reward += ["--completion_bytes", "3", "--completion_temperature", "1"]
+    flags = [*reward, "--shaping", "standardised", "--num_epochs", "3", "--validate_every", "2"]
+    procs = {"two": two_processes(flags, tmp_path / "two")}  # started first, to run beside "one"
+    procs["four"] = [launch(4, [*flags, "--parallel_generations_per_gpu", "16"], tmp_path / "four")]
+    procs["one"] = [RunHere([*flags, "--parallel_generations_per_gpu", "64"], tmp_path / "one")]
+    outs = {layout: wait(*group)[0] for layout, group in procs.items()}
+    assert "population 64 on 4 cpu device(s) in 2 process(es)" in outs["two"]
+    assert "scored on the host" in outs["one"]
+    assert len({digest(tmp_path / layout, 3) for layout in procs}) == 1
+    found = {validations(tmp_path / layout, "reward") for layout in procs}
+    assert len(found) == 1 and len(next(iter(found))) == 2
+
+
+FAILS_ON_ONE = """
+import jax
+
+CALLS = []
+
+
+def flaky(prompts, completions, answer, **kwargs):
+    CALLS.append(len(prompts))
+    if jax.process_index() == 1 and len(CALLS) == 2:
+        raise ValueError("process 1's second call")
+    return [float(c == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_reward_failing_on_one_process_stops_every_process_in_the_same_line(tmp_path):
+    """Process 1's reward raises at generation 2: both processes end with exit 65 and the same
+    line, which names it; the newest checkpoint (generation 1) stays whole."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text(FAILS_ON_ONE)
+    flags = ["--objective", "reward", "--task", "addition", "--reward", f"{reward}:flaky"]
+    flags += ["--completion_bytes", "3", "--num_epochs", "3", "--save_every", "1"]
+    procs = two_processes(flags, tmp_path / "two")
+    said = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=400)
+        assert proc.returncode == 65, err[-3000:]
+        said.append(err.strip().splitlines()[-1])
+    assert said[0] == said[1] and "(ValueError: process 1's second call)" in said[0], said
+    (folder,) = (tmp_path / "two").glob("*/checkpoints")
+    assert sorted(p.name for p in folder.glob("gen-*")) == ["gen-00000001"]
 
 
 def test_a_cpu_split_into_devices_trains_the_same_population_bit_for_bit(tmp_path):

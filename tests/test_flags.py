@@ -118,8 +118,8 @@ def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, mon
         if name in ("shaping", "optimizer")
     }
     assert hints["shaping"]("normalised") == (
-        "(default: normalised; one of: sign, normalised; upstream: sign; --fast_fitness: sign, "
-        "--no-fast_fitness: normalised)"
+        "(default: normalised; one of: sign, normalised, standardised; upstream: sign; --fast_fitness: "
+        "sign, --no-fast_fitness: normalised)"
     )
     assert (
         hints["optimizer"]("momentum")
@@ -267,7 +267,9 @@ def test_a_choice_outside_its_table_is_refused_naming_the_entries():
         run.UserError, match="--model must be one of egg, mingru, transformer, got gpt"
     ):
         run.check_args(run.parse_args(["--model", "gpt"]))
-    with pytest.raises(run.UserError, match="--shaping must be one of sign, normalised, got rank"):
+    with pytest.raises(
+        run.UserError, match="--shaping must be one of sign, normalised, standardised, got rank"
+    ):
         run.check_args(run.parse_args(["--shaping", "rank"]))
     with pytest.raises(run.UserError, match="--optimizer must be one of ztest, momentum, got sgd"):
         run.check_args(run.parse_args(["--optimizer", "sgd"]))

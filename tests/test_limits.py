@@ -2,6 +2,8 @@
 exactly (compared with Python integers) at the largest setting the checks allow, and one step
 past that setting is refused with a message naming the flag."""
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,12 +36,18 @@ def largest(key, step, **base):
     return low, refused(high)
 
 
-def exact_shaped_scores(fitness) -> list[int]:
-    """--shaping normalised's scores in Python integers: sign(d) min(floor(16 |d| / mean|d|),
-    127)."""
+def exact_shaped_scores(fitness, shaping: str = "normalised") -> list[int]:
+    """A shaping's scores in Python integers: normalised's sign(d) min(floor(16 |d| / mean|d|),
+    127); standardised's sign(d) min(round(8 q / r), 127), q = min(floor(256 |d| / mean|d|),
+    2**15 - 1), r = isqrt(floor(mean q**2))."""
     diffs = [int(a) - int(b) for a, b in zip(fitness[0::2], fitness[1::2], strict=True)]
     mean = max(sum(abs(d) for d in diffs) // len(diffs), 1)
-    return [((d > 0) - (d < 0)) * min(16 * abs(d) // mean, 127) for d in diffs]
+    signs = [(d > 0) - (d < 0) for d in diffs]
+    if shaping == "normalised":
+        return [s * min(16 * abs(d) // mean, 127) for s, d in zip(signs, diffs, strict=True)]
+    q = [min(256 * abs(d) // mean, 2**15 - 1) for d in diffs]
+    root = max(math.isqrt(sum(x * x for x in q) // len(q)), 1)
+    return [s * min((16 * x + root) // (2 * root), 127) for s, x in zip(signs, q, strict=True)]
 
 
 def test_matmul_at_the_largest_width_reaches_its_bound_exactly(monkeypatch, capsys):
@@ -132,9 +140,11 @@ def test_validation_rows_and_fitness_at_the_longest_sequence_the_bound_allows(ca
     )
 
 
-@pytest.mark.parametrize("use_clt", [True, False])
-def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
-    base = dict(shaping="normalised", use_clt=use_clt, segments=1)  # every pair's score at once
+@pytest.mark.parametrize(
+    "use_clt, shaping", [(True, "normalised"), (False, "normalised"), (True, "standardised")]
+)
+def test_shaped_fitness_at_the_largest_population_is_exact(use_clt, shaping):
+    base = dict(shaping=shaping, use_clt=use_clt, segments=1)  # every pair's score at once
     population, error = largest("parallel_generations_per_gpu", 2, **base)
     assert "--shaping sign" in error
     cfg = run.make_config(
@@ -158,7 +168,7 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
     chunk_sums = [sum(rests[i : i + chunk]) for i in range(0, pairs, chunk)]
     assert max(chunk_sums) == chunk * (pairs - 1) <= run.INT32_MAX < (chunk + 1) * pairs
     rests_of_chunks = sum(c % pairs for c in chunk_sums)
-    bound = bounds["sum of |pair difference| mod pairs (normalised fitness)"][0]
+    bound = bounds["sum of a floor mean's remainders mod pairs (the shaping's)"][0]
     assert rests_of_chunks <= bound <= run.INT32_MAX < sum(rests)  # one sum of them would overflow
     for name, size in cases.items():
         signs = rng.choice([-1, 1], pairs)
@@ -166,7 +176,7 @@ def test_normalised_fitness_at_the_largest_population_is_exact(use_clt):
             [np.where(signs > 0, 0, -size), np.where(signs > 0, -size, 0)], 1
         ).ravel()
         got = np.asarray(run.shape_fitness(jnp.asarray(fitness, jnp.int32), cfg)).tolist()
-        assert got == exact_shaped_scores(fitness), name
+        assert got == exact_shaped_scores(fitness, shaping), name
     print(f"population {population} (use_clt {use_clt}): scores exact")
 
 
