@@ -118,8 +118,8 @@ def test_help_spells_flags_with_underscores_and_both_spellings_parse(capsys, mon
         if name in ("shaping", "optimizer")
     }
     assert hints["shaping"]("normalised") == (
-        "(default: normalised; one of: sign, normalised, standardised; upstream: sign; --fast_fitness: "
-        "sign, --no-fast_fitness: normalised)"
+        "(default: normalised; one of: sign, normalised, standardised; upstream: sign; "
+        "--fast_fitness: sign, --no-fast_fitness: normalised)"
     )
     assert (
         hints["optimizer"]("momentum")
