@@ -6,9 +6,13 @@
 It takes run.py's flags. Without --target it times, on random bytes and side by side, (a) training,
 (b) fitness only, (c) noise-free inference of the same members and tokens and (d) naive full-rank
 ES, with peak memory and the compiled programs' temporaries (and with --replicas, (e) one run of as
-many members). With --target h100 it compiles the same steps for that GPU on any machine
-("deviceless": XLA's whole GPU pipeline on the topology in targets/, no autotuning, nothing timed),
-reads every kernel of the compiled programs (egg/hlo.py) and costs them by a stated roofline model.
+many members); with --objective reward beside them, on the task's prompts, (r) training on its
+reward scored in the step, (s) scored on the host, and (w) the members' writing alone, in bytes
+written a second, with the host reward's share of a generation. With --target h100 it compiles the
+same steps for that GPU on any machine ("deviceless": XLA's whole GPU pipeline on the topology in
+targets/, no autotuning, nothing timed), reads every kernel of the compiled programs (egg/hlo.py)
+and costs them by a stated roofline model; with --objective reward also the reward's generation
+(its scorer in the step) and the writing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -32,7 +37,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 import run
-from egg import UserError, cluster, hlo, kernel
+from egg import UserError, cluster, hlo, kernel, tasks
 from egg.flags import flag, flag_given, replace
 
 
@@ -283,6 +288,7 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
     started = time.time()
     args, mesh, _ = run.start_devices(args)
     rng, bare, notes = np.random.default_rng(args.seed), bare_jax_rss(), []
+    reward, args = args, replace(args, objective="likelihood")  # a to e read bytes
     parts = (("a training", "train"), ("b fitness only", "fitness"), ("c inference", "inference"))
     kinds = [prepare_kind(label, args, part, mesh, rng, notes) for label, part in parts]
     replicas = args.pbt.replicas
@@ -306,6 +312,103 @@ def benchmark(args: Args, budget: float | None = None) -> dict[str, float]:
                 time_generation(kind, generation)
     rate = print_table(args, kinds, rounds, mesh)
     print_ratios(kinds, rate, bare, notes)
+    if run.OBJECTIVES[reward.objective].reads == "prompts":
+        rate |= reward_benchmark(reward, mesh, rounds, rate["a"])
+    return rate
+
+
+# ------------------------------------------------------------------------------------------------
+# The reward objective beside: generations on a task's prompts timed side by side, the reward
+# scored in the step (the task's scorer in JAX) and on the host (its Python reward, between two
+# compiled calls), and the members' writing alone; in bytes written a second.
+
+
+def writing_alone(cfg: run.Config, mesh):
+    """A step of make_generation_step's signature that only writes (make_writing_step): what the
+    members wrote stands in for their fitness."""
+    writing = run.make_writing_step(cfg, mesh)
+
+    def step(params, rule_state, states, batch, generation, thresholds, seeds, sigma_shifts):
+        written = writing(params, batch, generation, seeds, sigma_shifts)
+        return params, rule_state, states, written, written
+
+    return step
+
+
+def reward_kind(label: str, cfg: run.Config, mesh, data, replicas, alone: bool = False) -> Kind:
+    """One kind of reward generation compiled ahead of time (run.compile_generation: one program,
+    or two and the host's scoring between) and its first generation run; alone: the writing."""
+    carry = run.on_mesh(*run.init_run(cfg, replicas), mesh)
+    batch, inputs = run.batch_on_mesh(data, cfg, mesh, 0), run.replica_inputs(cfg, replicas, 0)
+    tick = time.time()
+    if alone:
+        _, seeds, shifts = inputs
+        writing = run.make_writing_step(cfg, mesh).lower(
+            carry[0], batch, np.int32(0), seeds, shifts
+        )
+        temporaries = hlo.compile_now(writing).temporaries
+        compiled = run.Compiled(writing_alone(cfg, mesh), [], temporaries)
+    else:
+        compiled = run.compile_generation(cfg, mesh, carry, batch, 0, inputs, data)
+    timed = hlo.Compiled(compiled.step, time.time() - tick, compiled.temporaries, 0)
+    kind = Kind(label, cfg, timed, batch, inputs, carry, [])
+    kind.first = time_generation(kind, 0)
+    kind.seconds.clear()
+    kind.memory = cluster.peak_memory()[0]
+    return kind
+
+
+def reward_benchmark(args: Args, mesh, rounds: int, likelihood: float) -> dict[str, float]:
+    """The reward objective's generations timed side by side on the task's prompts, `rounds` of
+    each, printed as a table of bytes written a second; the host reward's share of a generation
+    (its scoring of what the members wrote, timed alone) and r's bytes against `likelihood`'s
+    tokens a second (a's). Returns the rates by letter."""
+    cfg, replicas = run.mesh_config(args, mesh), run.replicas_of(args)
+    data, notes = run.read_prompts(args, mesh), []
+    kinds = []
+    if cfg.scorer is not None:
+        kinds.append(reward_kind("r scored in the step", cfg, mesh, data, replicas))
+    else:
+        notes.append(f"r skipped: the task {data.task.name} has no scorer in JAX")
+    host = cfg._replace(scorer=None)
+    kinds.append(reward_kind("s scored on the host", host, mesh, data, replicas))
+    alone = reward_kind("w writing alone", host, mesh, data, replicas, alone=True)
+    kinds.append(alone)
+    scoring = []  # the host's scoring alone, of what w wrote
+    for generation in range(1, 1 + rounds):
+        for kind in kinds:
+            time_generation(kind, generation)
+        step = alone.compiled.step(*alone.carry, alone.batch, np.int32(generation), *alone.inputs)
+        written = jax.block_until_ready(step[3])
+        tick = time.time()
+        run.written_fitness(written, generation, data, host, mesh)
+        scoring.append(time.time() - tick)
+    own = cfg.objective_flags
+    bytes_written = cfg.population * cfg.replicas * cfg.segments * own.completion_bytes
+    print(
+        f"reward objective: task {data.task.name}, {len(data.order):,} prompts of up to "
+        f"{data.valid_rows.shape[1] - 1} bytes, up to {own.completion_bytes} bytes written by each "
+        f"member ({cfg.segments} segment(s)); median of {rounds} generations each"
+    )
+    print(f"{'':22} {'written/s':>12} {'s/generation':>13} {'compile s':>10} {'temp MiB':>9}")
+    rate = {}
+    for kind in kinds:
+        seconds = float(np.median(kind.seconds))
+        rate[kind.label[0]] = bytes_written / seconds
+        print(
+            f"{kind.label:22} {rate[kind.label[0]]:12,.0f} {seconds:13.4f} "
+            f"{kind.compiled.seconds:10.1f} {kind.compiled.temporaries:9,.1f}"
+        )
+    host_seconds, scored = bytes_written / rate["s"], float(np.median(scoring))
+    versus = ""
+    if "r" in rate:
+        versus = f"; bytes written by r / read by a, a second: {rate['r'] / likelihood:.1%}"
+    print(
+        f"the host reward's share of a generation (s): {scored / host_seconds:.1%} "
+        f"({scored * 1e3:,.2f} ms of {host_seconds * 1e3:,.2f}){versus}"
+    )
+    for note in notes:
+        print(f"note: {note}")
     return rate
 
 
@@ -350,8 +453,9 @@ def target_mesh(target: str, devices: int) -> jax.sharding.Mesh:
     return cluster.population_mesh(run.POP, topology.devices)
 
 
-def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
-    """The generation step's arguments as shapes with their shardings on the mesh (no arrays)."""
+def abstract_inputs(args: Args, cfg: run.Config, mesh, batch=None) -> tuple:
+    """The generation step's arguments as shapes with their shardings on the mesh (no arrays):
+    a batch of data sequences, or the `batch` given (shapes)."""
     replicas = run.replicas_of(args)
     params, rule_state, states = jax.eval_shape(lambda: run.init_run(cfg, replicas))
     everywhere, spread = (
@@ -361,9 +465,9 @@ def abstract_inputs(args: Args, cfg: run.Config, mesh) -> tuple:
     def shaped(x, sharding=everywhere):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    batch = jax.ShapeDtypeStruct(
-        (cfg.population // cfg.group_size, cfg.tokens + 1), jnp.uint8, sharding=everywhere
-    )
+    if batch is None:
+        batch = jax.ShapeDtypeStruct((cfg.population // cfg.group_size, cfg.tokens + 1), jnp.uint8)
+    batch = jax.tree.map(partial(shaped, sharding=everywhere), batch)
     generation = jax.ShapeDtypeStruct((), jnp.int32, sharding=everywhere)
     inputs = run.replica_inputs(cfg, replicas, 0)
     return (
@@ -643,10 +747,53 @@ def print_target_report(
     print("\n".join(lines))
 
 
+def target_reward(args: Args) -> dict:
+    """--target with --objective reward: the reward's generation compiled for the target GPU(s)
+    (the task's scorer in the step; where it has none, the members' writing alone, what the GPU
+    runs of it), its kernels, and the bytes written a second the cost model gives. Printed;
+    returns the figures."""
+    mesh = target_mesh(args.target, args.target_devices)
+    cfg, roofline = target_config(args, mesh), ROOFLINES[args.target]
+    task = tasks.open_task(args.tasks)
+    length = 1 + max(map(tasks.longest, (task.train.prompts, task.valid.prompts)))
+    answers = max(tasks.longest(task.train.columns["answer"]), 1) if cfg.scorer else 0
+    groups = (cfg.population // cfg.group_size, cfg.segments)
+    batch = run.Prompts(*(jax.ShapeDtypeStruct((*groups, n), jnp.uint8) for n in (length, answers)))
+    params, rule_state, states, batch, generation, *inputs = abstract_inputs(args, cfg, mesh, batch)
+    if cfg.scorer is not None:
+        step = run.make_generation_step(cfg, mesh)
+        given, what = (params, rule_state, states, batch, generation, *inputs), "scored in the step"
+    else:
+        step = run.make_writing_step(cfg, mesh)
+        given, what = (params, batch, generation, *inputs[1:]), "the writing alone"
+    tick = time.time()
+    with without_compilation_cache(), tempfile.TemporaryDirectory() as dump:
+        traced = step.trace(*given)
+        compiled = traced.lower().compile({"xla_dump_to": dump})
+        launched = dumped_launches(Path(dump), compiled.as_text())
+    seconds = time.time() - tick
+    kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
+    modeled = hlo.modeled_seconds(kernels, roofline, launched)
+    written = cfg.population * cfg.replicas * cfg.segments * cfg.objective_flags.completion_bytes
+    temporaries = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
+    figures = {"kernels": sum(k.runs for k in kernels), "seconds": modeled}
+    figures["written_per_s"] = written / modeled
+    print(
+        f"reward objective ({what}): task {task.name}, prompts of {length} bytes (byte 0 "
+        f"before), up to {cfg.objective_flags.completion_bytes} bytes written; compiled in "
+        f"{seconds:.1f} s; {figures['kernels']:,} kernels a generation; {temporaries:,.1f} MiB of "
+        f"temporaries; modeled bytes written a second: {figures['written_per_s']:,.0f} "
+        f"({modeled * 1e3:,.2f} ms a generation)"
+    )
+    return figures
+
+
 def target_report(args: Args) -> dict:
     """--target: compile the training and inference steps for the target GPU(s) and print what the
-    compiled programs show and what the cost model says they take. Returns the figures."""
+    compiled programs show and what the cost model says they take (with --objective reward, also
+    the reward's: target_reward). Returns the figures."""
     run.check_args(args)
+    reward, args = args, replace(args, objective="likelihood")  # the steps that read bytes first
     roofline = ROOFLINES[args.target]
     train = compile_target(args, "train")
     inference = compile_target(args, "inference")
@@ -668,6 +815,8 @@ def target_report(args: Args) -> dict:
     figures["launched"] = train.launched
     figures["mma code"] = train.mma_code
     print_target_report(args, cfg, roofline, train.seconds, train.kernels, figures)
+    if run.OBJECTIVES[reward.objective].reads == "prompts":
+        figures["reward"] = target_reward(reward)
     return figures | {
         "cfg": cfg,
         "kernels": {"training": train.kernels, "inference": inference.kernels},

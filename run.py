@@ -1566,6 +1566,8 @@ class Objective(NamedTuple):
     carries: whether members carry their states from one generation to the next (else they start
     every segment afresh, and keep none)
     segments: --segments 0 gives this many segments, or fewer where the int32 bounds require
+    preset: {flag: value} it trains with where a run does not give the flag (nor --algorithm
+    upstream set it), chosen by measurement (docs/results.org)
     flags: its own flags (a frozen flags dataclass beside it), or None"""
 
     reads: str
@@ -1576,6 +1578,7 @@ class Objective(NamedTuple):
     higher: bool
     carries: bool
     segments: int
+    preset: dict
     flags: type | None = None
 
 
@@ -1595,6 +1598,7 @@ OBJECTIVES = {
         higher=False,
         carries=True,
         segments=AUTO_SEGMENTS,
+        preset={},
     ),
     "reward": Objective(
         "prompts",
@@ -1606,6 +1610,10 @@ OBJECTIVES = {
         higher=True,
         carries=False,
         segments=1,
+        # a reward's pairs mostly tie: scores in units of their root mean square keep the Z-test's
+        # null (standardised); a fixed share, where the schedule would start at 1 and move every
+        # entry of the model a run starts from (docs/results.org, "Rewards")
+        preset={"shaping": "standardised", "alpha": 0.05},
         flags=RewardFlags,
     ),
 }
@@ -3515,8 +3523,11 @@ def prepare_jax(args: Args, platform: str = "") -> Args:
 
 def parse_args(argv: list[str], cls: type | None = None) -> Args:
     """Args (or a subclass's flags: bench.py's) from the command line (egg/command.py), an
-    --init_from run's model settings taken from its checkpoint."""
-    return command.parse_args(cls or Args, argv, model_settings)
+    --init_from run's model settings taken from its checkpoint, the objective's preset where a
+    flag is not given."""
+    return command.parse_args(
+        cls or Args, argv, model_settings, lambda given: OBJECTIVES[given.objective].preset
+    )
 
 
 def work(args: Args) -> None:

@@ -22,7 +22,10 @@ from egg.flags import (
     given_value,
     group_of,
     parse,
+    replace,
     since,
+    upstream_preset,
+    value,
 )
 
 EX_DATAERR = 65  # sysexits.h: a reward failed on what the model wrote (docs/design.org: exit codes)
@@ -44,7 +47,12 @@ def retired(name: str, setting=None) -> UserError:
     )
 
 
-def parse_args(cls: type, argv: list[str], model_settings: Callable | None = None):
+def parse_args(
+    cls: type,
+    argv: list[str],
+    model_settings: Callable | None = None,
+    preset: Callable | None = None,
+):
     """The flags dataclass `cls` from the command line (egg/flags.py: tyro's forms, the sweeps'
     booleans, nano-egg's --fast_fitness, the --algorithm upstream preset), a retired variant
     refused. With --resume PATH, over that run's flags: all but those a flag's facts say are not
@@ -52,7 +60,8 @@ def parse_args(cls: type, argv: list[str], model_settings: Callable | None = Non
     where the checkpoint lies (beside it, and in its run folder where it is
     <runs_dir>/<run_name>/checkpoints). With --init_from RUN, over the settings of that run's
     model (model_settings(its training settings) names them): one given that contradicts them is
-    refused."""
+    refused. A run that does not continue another's takes preset(its flags) {flag: value} where
+    the command line does not give the flag (and --algorithm upstream does not set it)."""
     for name in RETIRED_FLAGS:
         if any(flag_given(argv, f"{no}{name}") for no in ("", "no-", "no_")):
             raise retired(name)
@@ -69,11 +78,26 @@ def parse_args(cls: type, argv: list[str], model_settings: Callable | None = Non
         given = initialised(cls, argv, start, model_settings)
     else:
         given = parse(cls, argv, resumed_settings(cls, recorded, folder))
+    if preset is not None and not recorded:
+        given = preset_given(cls, given, argv, preset(given))
     settings = flat(given)
     for name, setting in RETIRED_SETTINGS.items():
         if settings.get(name) == setting:
             raise retired(name, setting)
     return given
+
+
+def preset_given(cls: type, given, argv: list[str], preset: dict):
+    """The flags with a preset's values where the command line does not give them, nor does
+    --algorithm upstream set them (its preset stands: upstream's algorithm, one flag away)."""
+    upstream = upstream_preset(cls) if value(given, "algorithm") == "upstream" else {}
+    spelt = ("", "no-", "no_")
+    chosen = {
+        name: setting
+        for name, setting in preset.items()
+        if name not in upstream and not any(flag_given(argv, f"{no}{name}") for no in spelt)
+    }
+    return replace(given, **chosen) if chosen else given
 
 
 def resumed_settings(cls: type, recorded: dict, folder: Path | None) -> dict:

@@ -1,11 +1,12 @@
 """Tasks for the reward objective: prompts a model continues, and rewards that score what it wrote.
 
-A task's prompts come from a built-in task (addition, countdown, reverse: generated here, offline,
-each from a seed of its own), a JSON lines, CSV or Parquet file, or a Hugging Face dataset (the hub,
-or a local folder); each prompt is rendered from its row's columns by --prompt_template. A reward
-has the signature of TRL's GRPO rewards, f(prompts, completions, **columns) -> list[float], so that
-a reward written for TRL runs here unchanged: it receives the rendered prompts, the completions as
-text, their raw bytes (completion_ids) and every column of the rows as keyword arguments.
+A task's prompts come from a built-in task (addition, addition2, countdown, reverse: generated
+here, offline, each from a seed of its own), a JSON lines, CSV or Parquet file, or a Hugging Face
+dataset (the hub, or a local folder); each prompt is rendered from its row's columns by
+--prompt_template. A reward has the signature of TRL's GRPO rewards, f(prompts, completions,
+**columns) -> list[float], so that a reward written for TRL runs here unchanged: it receives the
+rendered prompts, the completions as text, their raw bytes (completion_ids) and every column of
+the rows as keyword arguments.
 
 A row's `completion` column (TRL's prompt-completion datasets, and every built-in task) is a worked
 example: prompt, completion and the stop byte make a document of a likelihood corpus to pretrain
@@ -18,6 +19,7 @@ import csv
 import hashlib
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import numbers
@@ -47,8 +49,9 @@ OFFLINE = "a file (JSON lines, CSV, Parquet), a folder or a built-in task"
 @dataclass(frozen=True)
 class Flags:
     task: Annotated[str, *flag(training=True, before="")] = ""
-    """prompts: a built-in task (addition, countdown, reverse), a JSON lines, CSV or Parquet file
-    with a 'prompt' column, or a Hugging Face dataset NAME[:CONFIG][@SPLIT] (a local folder too)"""
+    """prompts: a built-in task (addition: sums of 2-3 digits; addition2: of two 2-digit numbers;
+    countdown; reverse), a JSON lines, CSV or Parquet file with a 'prompt' column, or a Hugging Face
+    dataset NAME[:CONFIG][@SPLIT] (a local folder too)"""
     valid_task: Annotated[
         str | None, tyro.conf.arg(metavar="TASK", help_behavior_hint=VALID_HINT)
     ] = None
@@ -189,15 +192,28 @@ def countdown_reward(prompts, completions, nums, target, **kwargs) -> list[float
 # The built-in tasks: rows generated offline from each one's seed; every row's `completion` a
 # correct answer (a worked example).
 
-PROBLEMS = 10_000  # rows of countdown and reverse (addition has every pair: 10,000 too)
+PROBLEMS = 10_000  # rows of countdown and reverse (addition2 has every pair: 10,000 too)
+
+
+def sums(terms: list[tuple[int, ...]], rng: np.random.Generator) -> dict[str, list]:
+    """'a+b+...=' for each tuple of terms, shuffled; the answer is their sum."""
+    terms = [terms[i] for i in rng.permutation(len(terms))]
+    answers = [str(sum(t)) for t in terms]
+    prompts = ["+".join(map(str, t)) + "=" for t in terms]
+    return {"prompt": prompts, "answer": answers, "completion": answers}
 
 
 def addition_rows(rng: np.random.Generator) -> dict[str, list]:
-    """'a+b=' for every a, b in [0, 99], shuffled; the answer is their sum."""
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    pairs = [pairs[i] for i in rng.permutation(len(pairs))]
-    answers = [str(a + b) for a, b in pairs]
-    return {"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": answers, "completion": answers}
+    """Every sum of two or three one-digit numbers, 1,100 of them: a running total, which a small
+    int8 model learns in part (docs/results.org, "Rewards")."""
+    terms = [t for n in (2, 3) for t in itertools.product(range(10), repeat=n)]
+    return sums(terms, rng)
+
+
+def addition2_rows(rng: np.random.Generator) -> dict[str, list]:
+    """Every sum of two numbers in [0, 99], 10,000 of them: each answer digit from digits read
+    several bytes apart, with a carry."""
+    return sums(list(itertools.product(range(100), repeat=2)), rng)
 
 
 def countdown_expression(operands: list[int], operators: str) -> tuple[str, int] | None:
@@ -261,6 +277,7 @@ NEWLINE = ord("\n")
 MATCH = dict(reward=match_reward, reads=("answer",), full_reward=1.0, scorer="match", stop=NEWLINE)
 BUILT_IN = {
     "addition": BuiltIn(rows=addition_rows, seed=1, **MATCH),
+    "addition2": BuiltIn(rows=addition2_rows, seed=4, **MATCH),
     "countdown": BuiltIn(
         rows=countdown_rows,
         seed=2,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import CACHE, TINY
 from jax.experimental.compilation_cache import compilation_cache
 
 import bench
@@ -510,3 +510,31 @@ def test_the_benchmark_is_its_own_script_and_takes_run_pys_flags(capsys):
         stop.value.code == 2
         and "--n_embd must be a multiple of 4, got 6" in capsys.readouterr().err
     )
+
+
+def test_benchmark_of_the_reward_objective_times_its_writing_beside_likelihood(capsys):
+    """--objective reward: a to c on bytes as ever, then r (the task's scorer in the step), s (its
+    reward on the host) and w (the writing alone) on the task's prompts, in bytes written a
+    second, with the host reward's share of a generation."""
+    given = dict(objective="reward", task="addition", completion_bytes=3, dir_path=CACHE)
+    rate = bench.benchmark(benchmark_args(num_epochs=1, **given), budget=0.0)
+    assert {"a", "r", "s", "w"} <= set(rate) and all(v > 0 for v in rate.values())
+    out = capsys.readouterr().out
+    assert "reward objective: task addition, 990 prompts of up to 6 bytes" in out
+    for label in ("r scored in the step", "s scored on the host", "w writing alone", "written/s"):
+        assert label in out
+    share = re.search(r"the host reward's share of a generation \(s\): ([0-9.]+)%", out)
+    assert share and 0 < float(share.group(1)) < 100
+
+
+def test_the_h100_report_covers_the_reward_objective(capsys):
+    """The reward's generation (the addition task's scorer in the step) compiled for an H100 here:
+    its kernels and modeled bytes written a second (the report's part that target_report adds
+    with --objective reward)."""
+    args = run.parse_args(
+        [*TINY, "--objective", "reward", "--task", "addition", "--target", "h100"], bench.Args
+    )
+    figures = bench.target_reward(args)
+    assert figures["kernels"] > 0 and figures["written_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "reward objective (scored in the step): task addition, prompts of 7 bytes" in out

@@ -4,6 +4,7 @@ scorer against the host's reward, TRL-style rewards called as TRL calls them and
 named by row, and the worked examples as a corpus. Everything here is offline and takes seconds."""
 
 import functools
+import itertools
 import json
 import math
 import sys
@@ -186,7 +187,7 @@ def test_every_bad_input_is_one_line(tmp_path, monkeypatch):
         return refused(tasks.Flags(task=str(path), reward=(MATCH,), **flags))
 
     message = refused(tasks.Flags(task="additon"))
-    assert "--task additon" in message and "addition, countdown, reverse" in message
+    assert "--task additon" in message and "addition, addition2, countdown, reverse" in message
     assert "give a task" in refused(tasks.Flags())
     assert "no such file or folder" in refused(tasks.Flags(task=str(tmp_path / "gone.jsonl")))
     assert "no such file or folder" in refused(tasks.Flags(task="data/gone.csv"))
@@ -262,10 +263,12 @@ def test_built_in_tasks_are_fixed_and_hold_out_other_problems(name):
     again = tasks.built_in_columns(name)
     assert task.train.prompts + task.valid.prompts == again["prompt"]
     assert {k: v + task.valid.columns[k] for k, v in task.train.columns.items()} == again
-    assert len(task.valid.prompts) == 1000 and len(task.train.prompts) == 9000
+    rows = len(again["prompt"])  # 1,100 of addition, 10,000 of the others
+    held = rows // 10
+    assert len(task.valid.prompts) == held and len(task.train.prompts) == rows - held
     train = {problem(name, task.train, k) for k in range(len(task.train.prompts))}
     valid = {problem(name, task.valid, k) for k in range(len(task.valid.prompts))}
-    assert len(train) == 9000 and len(valid) == 1000 and not train & valid
+    assert len(train) == rows - held and len(valid) == held and not train & valid
     # the table's facts
     assert task.rewards == (tasks.Reward(name, entry.reward),)
     assert task.scorer == entry.scorer and (entry.scorer is None or entry.scorer in tasks.SCORERS)
@@ -286,13 +289,17 @@ def test_worked_examples_earn_the_full_reward_and_wrong_ones_less(name):
 
 
 def test_built_in_problems_are_as_described():
-    addition = tasks.built_in_columns("addition")
-    pairs = {tuple(map(int, p[:-1].split("+"))) for p in addition["prompt"]}
-    assert pairs == {(a, b) for a in range(100) for b in range(100)}
-    assert all(
-        str(sum(map(int, p[:-1].split("+")))) == a
-        for p, a, _ in zip(*addition.values(), strict=True)
-    )
+    for name, every in (
+        ("addition", {t for n in (2, 3) for t in itertools.product(range(10), repeat=n)}),
+        ("addition2", {(a, b) for a in range(100) for b in range(100)}),
+    ):
+        addition = tasks.built_in_columns(name)
+        terms = [tuple(map(int, p[:-1].split("+"))) for p in addition["prompt"]]
+        assert len(terms) == len(every) and set(terms) == every
+        assert all(
+            str(sum(t)) == a == c
+            for t, a, c in zip(terms, addition["answer"], addition["completion"], strict=True)
+        )
     reverse = tasks.built_in_columns("reverse")
     for prompt, answer in zip(reverse["prompt"], reverse["answer"], strict=True):
         word = prompt.removesuffix(" reversed: ")
