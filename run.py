@@ -1612,8 +1612,8 @@ OBJECTIVES = {
         segments=1,
         # a reward's pairs mostly tie: scores in units of their root mean square keep the Z-test's
         # null (standardised); a fixed share, where the schedule would start at 1 and move every
-        # entry of the model a run starts from (docs/results.org, "Rewards")
-        preset={"shaping": "standardised", "alpha": 0.05},
+        # entry of the model a run starts from (docs/design.org, docs/results.org: "Rewards")
+        preset={"shaping": "standardised", "alpha": 0.2},
         flags=RewardFlags,
     ),
 }
@@ -2690,7 +2690,7 @@ def read_data(args: Args, cfg: Config, mesh):
     if OBJECTIVES[cfg.objective].reads == "prompts":
         return read_prompts(args, mesh)
     if args.tasks.task:
-        train, valid = task_bytes(tasks.open_task(args.tasks))
+        train, valid = task_bytes(tasks.open_task(args.tasks, rewarded=False))
     else:
         train, valid = corpus.open_data(args.corpus, 2 * args.validation_batch_size)
     stream, valid_rows = make_stream(len(train), cfg), validation_rows(valid, args)
@@ -2807,7 +2807,7 @@ def default_run_name(args: Args) -> str:
     """A run's name from its flags: data (the task's, and "reward" where it writes), model (its
     entry where not egg, its shape), alpha, sigma_shift, rank, population x bytes (read, or
     written) x noise reuse, seed, and upstream's algorithm and the tag where given."""
-    data = Path(args.tasks.task or args.corpus.data).name or "data"
+    data = Path(args.tasks.task).stem if args.tasks.task else Path(args.corpus.data).name or "data"
     length = args.tokens_per_update
     if OBJECTIVES[args.objective].reads == "prompts":
         data, length = f"{data}-reward", args.reward.completion_bytes

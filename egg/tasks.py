@@ -588,10 +588,11 @@ def scorer(flags: Flags) -> str | None:
     return built_in.scorer if built_in is not None and not flags.reward else None
 
 
-def open_task(flags: Flags) -> Task:
+def open_task(flags: Flags, rewarded: bool = True) -> Task:
     """--task's prompts split into training and held-out rows (--valid_task's, else the last
     --held_out share, at least one row each side), its rewards and its settings; bad input refused
-    in one line."""
+    in one line. Not `rewarded` (its worked examples read as a likelihood corpus): no reward
+    needed, none loaded."""
     stop = stop_byte(flags)
     built_in = BUILT_IN.get(flags.task)
     rows = read_rows(flags.task, "--task", flags.prompt_template)
@@ -605,6 +606,8 @@ def open_task(flags: Flags) -> Task:
                 f"{held} and train on the rest; give more, or --valid_task"
             )
         train, valid = sliced(rows, slice(None, -held)), sliced(rows, slice(-held, None))
+    if not rewarded:  # a likelihood corpus: no reward read
+        return Task(flags.task, train, valid, (), stop, 1.0, None)
     rewards = tuple(load_reward(spec) for spec in flags.reward)
     if not rewards and built_in is None:
         raise UserError(

@@ -632,3 +632,16 @@ def test_the_in_step_scorer_is_known_from_the_flags():
     task = tasks.open_task(tasks.Flags(task="reverse", reward=(MATCH,), full_reward=0.75))
     assert task.scorer is None and task.full_reward == 0.75
     assert task.rewards == (tasks.Reward(MATCH, tasks.match_reward),)
+
+
+def test_a_file_tasks_worked_examples_need_no_reward_to_be_read(tmp_path):
+    """Read as a likelihood corpus (not rewarded), a file task without --reward opens; rewarded,
+    it is refused for want of one."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}=", "completion": "x"}) + "\n" for i in range(9))
+    )
+    task = tasks.open_task(tasks.Flags(task=str(path)), rewarded=False)
+    assert task.rewards == () and len(task.train.prompts) == 8
+    with pytest.raises(UserError, match="no reward of its own"):
+        tasks.open_task(tasks.Flags(task=str(path)))
