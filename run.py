@@ -1341,7 +1341,8 @@ def segment_noise(cfg: Config, seed, generation, segment, first, count: int):
 # prompts), its members' fitness in the compiled step, the range of that fitness (every int32
 # bound of a member's and of a pair's difference, which every shaping relies on), whether members
 # carry their states from one generation to the next, the segments --segments 0 gives, the metric
-# it is reported and validated by, and its own flags. --objective picks one.
+# it is reported and validated by, the flags it trains with unless told, and its own flags.
+# --objective picks one.
 #
 # likelihood: the log2-likelihood sum of the bytes a member reads (forward), the members' states
 # carried on. reward: each member continues a prompt by bytes it writes itself, each drawn from its
@@ -1495,7 +1496,7 @@ def write(params, noise, prompts_MxL, bits, sigma_shift, cfg: Config):
             window = jax.lax.dynamic_slice_in_dim(buffer, written + at - context, context, 0)
             return model.window(w, window, cfg)[0][-1], buffer
 
-        state, prompts = prompts, prompts[:written]
+        state, prompts = prompts, prompts[:written]  # the buffer, carried; the prompt, to start
     temperature, tables = temperature_of(cfg), w.tables
     pairs = (layout[0], layout[1], 1, VOCAB)  # a pair's draws, against the members' axes
 
@@ -1503,7 +1504,7 @@ def write(params, noise, prompts_MxL, bits, sigma_shift, cfg: Config):
         state, byte, ended = carry
         at, bits_now = xs
         logits, state = next_logits(state, byte, at)
-        drawn = bits_now if bits_now is None else bits_now.reshape(pairs)
+        drawn = None if bits_now is None else bits_now.reshape(pairs)
         new = choose_bytes(logits, drawn, temperature, tables)
         ended = ended | (new == cfg.stop) | (new == 0)
         return (state, new, ended), jnp.where(ended, 0, new).astype(jnp.uint8)
@@ -1556,10 +1557,10 @@ class Objective(NamedTuple):
 
     reads: "bytes" (a corpus: --data, or a --task's worked examples) or "prompts" (a --task's)
     fitness(cfg, params, noise_of, states, inputs, sigma_shift, draws_of) -> (fitness_SxM int32,
-    states): this device's members' fitness of every segment in the step, inputs their bytes
-    (members, T + 1) or Prompts (members, segments, ...) (None where it is scored on the host)
-    span(cfg) -> (least, most): the range of a member's fitness (a pair's difference, the shapings'
-    input, at most most - least), and what would shrink it
+    states): this device's members' fitness of every segment in the step (scored_in_step), inputs
+    their bytes (members, T + 1) or Prompts (members, segments, ...), draws_of their draws
+    span(cfg) -> (least, most, what would shrink it): the range of a member's fitness (a pair's
+    difference, the shapings' input, at most most - least)
     value(fitness, cfg) -> float: a member's fitness summed over the segments in the metric's units
     metric, higher: the name it is reported and validated by (train/METRIC, val/METRIC), and
     whether higher is better
@@ -1571,7 +1572,7 @@ class Objective(NamedTuple):
     flags: its own flags (a frozen flags dataclass beside it), or None"""
 
     reads: str
-    fitness: Callable | None
+    fitness: Callable
     span: Callable[[Config], tuple[int, int, str]]
     value: Callable[[Any, Config], float]
     metric: str
