@@ -38,6 +38,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import run
 from egg import UserError, cluster, hlo, kernel, tasks
+from egg.command import EX_DATAERR
 from egg.flags import flag, flag_given, replace
 
 
@@ -836,6 +837,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except tasks.RewardFailed as error:  # the task's reward, on what the members wrote
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(EX_DATAERR) from None
 
 
 if __name__ == "__main__":

@@ -2498,21 +2498,14 @@ def make_update_step(cfg: Config, mesh: jax.sharding.Mesh):
     return on_population(local, mesh, cfg, batch=WRITTEN)
 
 
-@cache
-def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
-    """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, T + 1)
-    uint8) -> (K, R), the rows spread over the devices (R a multiple of twice their number),
-    replicated."""
-
-    def evaluate_one(params, rows):
-        states = jnp.zeros((rows.shape[0],) + MODELS[cfg.model].state(cfg), jnp.int8)
-        return forward(params, None, states, rows[:, :-1], rows[:, 1:], None, cfg)[0]
-
-    rows = jax.sharding.PartitionSpec(POP)
+def on_rows(one_replica: Callable, mesh: jax.sharding.Mesh):
+    """one_replica(params, rows) of every replica as one jitted program: the rows spread over the
+    devices (R a multiple of twice their number), the parameters whole on each, the result (K, R,
+    ...) replicated."""
     local = jax.shard_map(
-        every_replica(evaluate_one, shared=(1,)),
+        every_replica(one_replica, shared=(1,)),
         mesh=mesh,
-        in_specs=(REPLICATED, rows),
+        in_specs=(REPLICATED, jax.sharding.PartitionSpec(POP)),
         out_specs=SPREAD,
         check_vma=False,
     )
@@ -2520,25 +2513,28 @@ def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
 
 
 @cache
+def make_evaluate(cfg: Config, mesh: jax.sharding.Mesh):
+    """Noise-free log2-likelihood sums of each row by each replica: evaluate(params, rows (R, T + 1)
+    uint8) -> (K, R) (on_rows)."""
+
+    def evaluate_one(params, rows):
+        states = jnp.zeros((rows.shape[0],) + MODELS[cfg.model].state(cfg), jnp.int8)
+        return forward(params, None, states, rows[:, :-1], rows[:, 1:], None, cfg)[0]
+
+    return on_rows(evaluate_one, mesh)
+
+
+@cache
 def make_completer(cfg: Config, mesh: jax.sharding.Mesh):
     """Noise-free, greedy completions of each prompt by each replica: complete(params, rows (R, L)
-    uint8) -> (K, R, C) uint8, as write makes them, the rows spread over the devices (R a multiple
-    of twice their number), replicated."""
+    uint8) -> (K, R, C) uint8, as write makes them (on_rows)."""
     greedy = replaced(cfg.objective_flags, completion_temperature=0.0)
     greedy = cfg._replace(objective_flags=greedy)
 
     def complete_one(params, rows):
         return write(params, None, rows, None, None, greedy)
 
-    rows = jax.sharding.PartitionSpec(POP)
-    local = jax.shard_map(
-        every_replica(complete_one, shared=(1,)),
-        mesh=mesh,
-        in_specs=(REPLICATED, rows),
-        out_specs=SPREAD,
-        check_vma=False,
-    )
-    return jax.jit(local, out_shardings=jax.sharding.NamedSharding(mesh, REPLICATED))
+    return on_rows(complete_one, mesh)
 
 
 @cache
