@@ -274,3 +274,18 @@ def test_a_window_model_that_a_segment_cannot_hold_is_refused(monkeypatch, capsy
     refused = in_process(capsys, *TINY, "--model", "four", "--tokens_per_update", "20")
     one_line_error(refused, "--model four reads 4 bytes at once, but a member reads 2")
     run.check_args(run.parse_args([*TINY, "--model", "four", "--tokens_per_update", "40"]))
+
+
+def test_the_reward_objective_trains_with_its_preset_unless_told():
+    """--objective reward: --shaping standardised --alpha 0.2 where the command line gives neither;
+    a flag given wins; --algorithm upstream's preset stands where it sets one (sign scores); the
+    likelihood has no preset."""
+    given = run.parse_args(["--objective", "reward", "--task", "addition"])
+    assert (given.shaping, given.alpha) == ("standardised", 0.2)
+    given = run.parse_args(["--objective", "reward", "--task", "addition", "--alpha", "0.1"])
+    assert (given.shaping, given.alpha) == ("standardised", 0.1)
+    upstream = run.parse_args(
+        ["--objective", "reward", "--task", "addition", "--algorithm", "upstream"]
+    )
+    assert (upstream.shaping, upstream.alpha) == ("sign", 0.2)
+    assert (run.parse_args([]).shaping, run.parse_args([]).alpha) == ("normalised", 4.0)
