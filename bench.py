@@ -757,7 +757,7 @@ def target_reward(args: Args) -> dict:
     cfg, roofline = target_config(args, mesh), ROOFLINES[args.target]
     task = tasks.open_task(args.tasks)
     length = 1 + max(map(tasks.longest, (task.train.prompts, task.valid.prompts)))
-    answers = max(tasks.longest(task.train.columns["answer"]), 1) if cfg.scorer else 0
+    answers = tasks.scored_against(task).shape[1]
     groups = (cfg.population // cfg.group_size, cfg.segments)
     batch = run.Prompts(*(jax.ShapeDtypeStruct((*groups, n), jnp.uint8) for n in (length, answers)))
     params, rule_state, states, batch, generation, *inputs = abstract_inputs(args, cfg, mesh, batch)

@@ -19,6 +19,7 @@ import csv
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -624,10 +625,31 @@ def open_task(flags: Flags, rewarded: bool = True) -> Task:
                     f"{flag_name} {spec}: lacks the column {missing[0]!r} that the reward of "
                     f"{flags.task} reads; give rows with it, or --reward"
                 )
+    for reward in rewards:
+        takes_the_columns(reward, (train, valid))
     full_reward = flags.full_reward
     if full_reward is None:
         full_reward = built_in.full_reward if built_in is not None else 1.0
     return Task(flags.task, train, valid, rewards, stop, full_reward, scorer(flags))
+
+
+def takes_the_columns(reward: Reward, parts: tuple[Rows, ...]) -> None:
+    """Refuse, before anything runs, a reward that could not be called as score() will call it
+    with these rows' columns: its signature bound to the arguments' names, nothing called (a
+    function whose signature Python cannot read is taken as it is)."""
+    try:
+        signature = inspect.signature(reward.function)
+    except (TypeError, ValueError):
+        return
+    for rows in parts:
+        columns = [name for name in rows.columns if name not in PASSED_AS_ARGUMENTS]
+        try:
+            signature.bind(**dict.fromkeys([*PASSED_AS_ARGUMENTS, *columns], []))
+        except TypeError as error:
+            raise UserError(
+                f"--reward {reward.name} cannot take the task's columns ({', '.join(columns)}) "
+                f"as TRL passes them: {error}"
+            ) from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -795,3 +817,13 @@ def match_scores(completions, answers, frac: int):
 
 
 SCORERS = {"match": match_scores}  # BuiltIn.scorer names one
+
+
+def scored_against(task: Task) -> np.ndarray:
+    """(n, A) uint8: what the in-step scorer compares each training row's completions with, the
+    column its built-in's reward reads, right_padded (A >= 1); (n, 0) where there is no scorer."""
+    if task.scorer is None:
+        return np.zeros((len(task.train.prompts), 0), np.uint8)
+    (column,) = BUILT_IN[task.name].reads
+    values = task.train.columns[column]
+    return right_padded(values, max(longest(values), 1))

@@ -155,7 +155,14 @@ def test_a_reward_run_stopped_at_any_generation_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["malformed line", "no prompt column", "unknown task", "no reward file", "no reward function"],
+    [
+        "malformed line",
+        "no prompt column",
+        "no answer column",
+        "unknown task",
+        "no reward file",
+        "no reward function",
+    ],
 )
 def test_bad_task_or_reward_input_is_one_line_and_nothing_is_written(tmp_path, capsys, case):
     good = tmp_path / "good.jsonl"
@@ -173,12 +180,15 @@ def test_bad_task_or_reward_input_is_one_line_and_nothing_is_written(tmp_path, c
         "unknown task": (["--task", "nosuchtask"], "nosuchtask"),
         "no reward file": (["--task", str(good), "--reward", f"{tmp_path}/gone.py:f"], "gone.py"),
         "no reward function": (["--task", str(good), "--reward", f"{reward}:nope"], "nope"),
+        "no answer column": (["--task", str(bad)], "missing a required argument: 'answer'"),
     }[case]
     lines = good.read_text().splitlines(True)
     if case == "malformed line":
         bad.write_text("".join(lines[:2]) + "{not json\n" + "".join(lines[2:]))
     if case == "no prompt column":
         bad.write_text(good.read_text().replace('"prompt"', '"question"'))
+    if case == "no answer column":
+        bad.write_text(good.read_text().replace('"answer"', '"solution"'))
     if "reward" not in case:
         flags += ["--reward", f"{reward}:exact"]
     runs = tmp_path / "runs"

@@ -93,8 +93,10 @@ def test_prompt_template_renders_each_row_from_its_columns(tmp_path):
     path = write_jsonl(
         tmp_path / "q.jsonl", [{"question": "2+2", "n": 4}, {"question": "1", "n": 1}]
     )
+    anything = reward_file(tmp_path, "def f(prompts, completions, **kw):\n    return [0.0]\n")
+    template = "Q: {question} ({n:03d})\nA:"
     task = tasks.open_task(
-        tasks.Flags(task=path, prompt_template="Q: {question} ({n:03d})\nA:", reward=(MATCH,))
+        tasks.Flags(task=path, prompt_template=template, reward=(f"{anything}:f",))
     )
     assert task.train.prompts == ["Q: 2+2 (004)\nA:"] and task.valid.prompts == ["Q: 1 (001)\nA:"]
     assert task.train.columns == {"question": ["2+2"], "n": [4]}
@@ -243,6 +245,13 @@ def test_every_bad_reward_is_one_line(tmp_path):
     assert f"{path} has no g (its functions: f)" in message
     assert "n is not a function (of type int)" in reward_refused(f"{path}:n")
     assert "egg.tasks has no nope" in reward_refused("egg.tasks:nope")
+    path = reward_file(tmp_path, "def f(prompts, completions, hint, **kw):\n    1 / 0\n", "hint.py")
+    message = reward_refused(f"{path}:f")  # refused by its signature, never called
+    assert (
+        "cannot take the task's columns (prompt, answer, extra)" in message and "'hint'" in message
+    )
+    path = reward_file(tmp_path, "def f(prompts, completions):\n    1 / 0\n", "narrow.py")
+    assert "unexpected keyword argument" in reward_refused(f"{path}:f")
 
 
 # ------------------------------------------------------------------------------------------------
