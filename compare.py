@@ -10,7 +10,10 @@ Every run is `python run.py FLAGS --data CORPUS --seed S --num_epochs N ... VARI
 another (each uses the whole machine), its metrics read back from its metrics.jsonl; a variant's
 flags come last, so they win over the common ones (e.g. its own --num_epochs). A variant whose flags
 start with @backprop runs baselines/backprop.py instead (a float32 model trained by backpropagation
-on the same bytes, e.g. "gru=@backprop --network mingru --num_epochs 1000": steps, not generations).
+on the same bytes, e.g. "gru=@backprop --network mingru --num_epochs 1000": steps, not generations);
+@grpo runs baselines/grpo.py (a float32 model trained by GRPO on a --task's reward). --metric picks
+what is read: val/bits_per_byte, or a reward run's val/reward or val/accuracy (then the third clock
+is completions scored, not bytes).
 The wall-time column is the last validation reached within --wall_seconds of training (compilation
 and validation excluded), the bytes column the last within --train_bytes bytes trained on, so
 validate often (--validate_every) for them to mean much. --plot draws every variant's curves against
@@ -36,6 +39,10 @@ import numpy as np
 import tyro
 
 ROOT = Path(__file__).resolve().parent
+BASELINES = {
+    "@backprop": "baselines/backprop.py",
+    "@grpo": "baselines/grpo.py",
+}  # a variant's first word
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,14 @@ class CompareArgs:
     """also report the last validation within this many seconds of training (0: no such column)"""
     train_bytes: float = 0.0
     """also report the last validation within this many training bytes (0: no such column)"""
+    completions: float = 0.0
+    """also report the last validation within this many completions scored (reward runs; 0: no
+    such column)"""
     plot: str = ""
     """also draw the validation curves into this PNG file (mean line, spread band per variant)"""
+    metric: str = "bits_per_byte"
+    """what the table and the plot read, val/METRIC: bits_per_byte, or reward or accuracy where the
+    runs validate a task's reward (run.py --objective reward, @grpo)"""
     flags: str = ""
     """run.py flags common to every run"""
     runs_dir: str = "runs/compare"
@@ -92,25 +105,27 @@ def corpus_label(corpus: str) -> str:
     return stem.removesuffix("_train")
 
 
-def read_run(folder: Path) -> dict:
-    """{generation: validation bits/byte}, training seconds and bytes to each generation, and
-    baselines."""
+def read_run(folder: Path, metric: str = "bits_per_byte") -> dict:
+    """{generation: validation val/METRIC}, training seconds, bytes and completions scored to each
+    generation, and baselines."""
     lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     seconds, elapsed, validation, median, baselines = 0.0, {}, {}, {}, {}
-    trained, tokens = 0.0, {}
+    trained, tokens, scored, completions = 0.0, {}, 0, {}
     for line in lines:
         seconds += line.get("perf/seconds", 0.0) if line["generation"] > 1 else 0.0  # 1 compiles
         elapsed[line["generation"]] = seconds
-        # bytes predicted
+        # bytes predicted (or written)
         trained += line.get("perf/tokens_per_s", 0.0) * line.get("perf/seconds", 0.0)
         tokens[line["generation"]] = trained
-        if "val/bits_per_byte" in line:  # with --replicas: the best replica's
-            validation[line["generation"]] = line["val/bits_per_byte"]
+        scored += line.get("perf/completions", 0)
+        completions[line["generation"]] = scored
+        if f"val/{metric}" in line:  # with --replicas: the best replica's
+            validation[line["generation"]] = line[f"val/{metric}"]
             baselines = {k[4:-14]: v for k, v in line.items() if k.endswith("gram_bits_per_byte")}
             replicas = [
                 v
                 for k, v in line.items()
-                if k.startswith("replica/") and k.endswith("/val/bits_per_byte")
+                if k.startswith("replica/") and k.endswith(f"/val/{metric}")
             ]
             if replicas:
                 median[line["generation"]] = statistics.median(replicas)
@@ -119,6 +134,7 @@ def read_run(folder: Path) -> dict:
         "median": median,
         "elapsed": elapsed,
         "tokens": tokens,
+        "completions": completions,
         "baselines": baselines,
     }
 
@@ -127,7 +143,7 @@ def at_wall_time(
     run: dict, seconds: float, key: str = "validation", clock: str = "elapsed"
 ) -> float:
     """The last validation reached within `seconds` of training (clock "tokens": within so many
-    training bytes)."""
+    training bytes; "completions": so many completions scored)."""
     reached = [g for g in run[key] if run[clock][g] <= seconds]
     return run[key][max(reached)] if reached else float("nan")
 
@@ -146,6 +162,7 @@ def table(args: CompareArgs, results: dict) -> str:
         [f"{args.wall_seconds:g} s"] * bool(args.wall_seconds)
     )
     columns += [f"{args.train_bytes:.3g} B"] * bool(args.train_bytes)
+    columns += [f"{args.completions:.3g} c"] * bool(args.completions)
     header = [f"{'variant':12}"] + [
         f"{corpus_label(c)[:12]} {col:>9}".rjust(22) for c in args.data for col in columns
     ]
@@ -165,10 +182,12 @@ def table(args: CompareArgs, results: dict) -> str:
                     cells.append(summarise([r[key][g] for r in runs if g in r[key]]))
                 if args.wall_seconds:
                     cells.append(summarise([at_wall_time(r, args.wall_seconds, key) for r in runs]))
-                if args.train_bytes:
-                    cells.append(
-                        summarise([at_wall_time(r, args.train_bytes, key, "tokens") for r in runs])
-                    )
+                for clock, limit in (
+                    ("tokens", args.train_bytes),
+                    ("completions", args.completions),
+                ):
+                    if limit:
+                        cells.append(summarise([at_wall_time(r, limit, key, clock) for r in runs]))
             rows.append(" ".join([f"{label:12}"] + [c.rjust(22) for c in cells]))
     for baseline in ("unigram", "bigram"):
         cells = []
@@ -198,7 +217,7 @@ def flag_items(words: list[str]) -> list[str]:
     return items
 
 
-def reused(earlier: Path, command: list[str]) -> dict:
+def reused(earlier: Path, command: list[str], metric: str) -> dict:
     """An earlier run's results, once its recorded command is this comparison's for it (else one
     line and exit 2: a table must never join runs of different flags)."""
     try:
@@ -214,7 +233,7 @@ def reused(earlier: Path, command: list[str]) -> dict:
         said = f"its own: {there}; this comparison's: {here}"
         sys.exit(f"error: --reuse {earlier}: trained with other flags ({said})")
     print(f"reading {earlier}", flush=True)
-    return read_run(earlier)
+    return read_run(earlier, metric)
 
 
 def train(command: list[str], log: Path) -> None:
@@ -250,11 +269,8 @@ def compare(args: CompareArgs) -> str:
             results[corpus][name] = []
             for seed in args.seeds:
                 run_name = f"{name}-{Path(corpus).stem}-seed{seed}"
-                script, own = (
-                    ("baselines/backprop.py", flags[1:])
-                    if flags[:1] == ["@backprop"]
-                    else ("run.py", flags)
-                )
+                script, own = BASELINES.get(flags[0] if flags else "", "run.py"), flags
+                own = own[1:] if script != "run.py" else own
                 command = [
                     sys.executable,
                     str(ROOT / script),
@@ -283,7 +299,7 @@ def compare(args: CompareArgs) -> str:
                     if (Path(d) / run_name / "metrics.jsonl").exists()
                 ]
                 if earlier:
-                    results[corpus][name].append(reused(earlier[0], command))
+                    results[corpus][name].append(reused(earlier[0], command, args.metric))
                     continue
                 left = (
                     f"; about {statistics.mean(durations) * (todo + 1) / 60:.0f} min left"
@@ -299,7 +315,7 @@ def compare(args: CompareArgs) -> str:
                 (runs_dir / run_name / "compare.json").write_text(
                     json.dumps(record, indent=1) + "\n"
                 )
-                results[corpus][name].append(read_run(runs_dir / run_name))
+                results[corpus][name].append(read_run(runs_dir / run_name, args.metric))
     text = table(args, results)
     print(text)
     if runs_dir.exists():
@@ -331,7 +347,11 @@ def plot(args: CompareArgs, results: dict):
     clocks = {
         "generation": "generations (backprop: steps)",
         "elapsed": "training seconds",
-        "tokens": "training bytes",
+        **(
+            {"tokens": "training bytes"}
+            if args.metric == "bits_per_byte"
+            else {"completions": "completions scored"}
+        ),
     }
     figure, axes = plt.subplots(len(args.data), 3, figsize=(15, 4 * len(args.data)), squeeze=False)
     for row, corpus in zip(axes, args.data, strict=True):
@@ -344,7 +364,8 @@ def plot(args: CompareArgs, results: dict):
             for baseline, style in (("unigram", ":"), ("bigram", "--")):
                 if baseline in baselines:
                     ax.axhline(baselines[baseline], color="gray", linestyle=style, label=baseline)
-            ax.set(xlabel=label, ylabel="validation bits/byte", title=corpus_label(corpus))
+            ylabel = f"validation {args.metric.replace('_per_', '/')}"
+            ax.set(xlabel=label, ylabel=ylabel, title=corpus_label(corpus))
             if clock != "generation":
                 ax.set_xscale("log")
             ax.legend(fontsize=8)

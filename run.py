@@ -3102,7 +3102,10 @@ def generation_metrics(
     settings = [r._asdict() for r in sent.replicas]
     metrics = record.replica_metrics(per_replica, settings, objective.metric, objective.higher)
     tokens = member_bytes(cfg) * cfg.population * cfg.replicas
-    return {**metrics, "perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}, moved
+    metrics |= {"perf/tokens_per_s": tokens / seconds, "perf/seconds": seconds}
+    if objective.reads == "prompts":  # every member writes a completion of every segment's prompt
+        metrics["perf/completions"] = cfg.population * cfg.segments * cfg.replicas
+    return metrics, moved
 
 
 def replica_of(tree, k: int):
