@@ -48,8 +48,9 @@ from egg.flags import check_range  # noqa: E402
 
 @dataclass(frozen=True)
 class Args(backprop.Args):
-    learning_rate: float = 1e-3
-    """Adam's step size (gradients clipped to norm 1)"""
+    learning_rate: float = 1e-4
+    """Adam's step size (gradients clipped to norm 1; chosen on addition from a pretrained start,
+    docs/results.org)"""
     batch_size: int = 32
     """prompts a step, each written --group_size times"""
     policy_temperature: float = 1.0

@@ -54,6 +54,8 @@ from scripts import rewards  # noqa: E402
 class Args:
     tasks: tuple[str, ...] = ("addition",)
     """tasks (run.py's --task), each compared on its own"""
+    reward_flags: str = ""
+    """--reward and any other flag of the tasks (e.g. '--reward my.py:f'), for every run"""
     seeds: tuple[int, ...] = (0, 1, 2)
     """seeds of every run"""
     model: str = "--n_embd 64 --n_layer 2"
@@ -68,7 +70,7 @@ class Args:
     """ES reward generations (every other run of the stage trains as many seconds as they took)"""
     es: str = "--parallel_generations_per_gpu 2048 --group_size 8 --validate_every 50"
     """run.py flags of the ES reward runs"""
-    grpo: str = "--batch_size 32 --group_size 8 --learning_rate 1e-3 --validate_every 100"
+    grpo: str = "--batch_size 32 --group_size 8 --learning_rate 1e-4 --validate_every 100"
     """baselines/grpo.py flags of the GRPO runs"""
     folder: str = "runs/against-grpo"
     """where the runs and the table go"""
@@ -76,9 +78,10 @@ class Args:
     """also draw the reward runs' curves into this PNG file"""
 
 
-def completion_bytes(task: str) -> int:
+def completion_bytes(task: str, reward_flags: str) -> int:
     """Bytes a completion may take: the longest training answer and its stop byte."""
-    rows = tasks.open_task(run.parse_args(["--task", task]).tasks, rewarded=False).train
+    given = run.parse_args(["--task", task, *shlex.split(reward_flags)])
+    rows = tasks.open_task(given.tasks, rewarded=False).train
     return 1 + max(len(str(a).encode()) for a in rows.columns["completion"])
 
 
@@ -129,9 +132,9 @@ def summary(pairs: list[tuple[float, float]]) -> str:
 def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
     """The task's runs, trained where they have not finished; its table, and the reward runs'
     results as compare.plot takes them."""
-    base, size = Path(args.folder) / task, shlex.split(args.model)
-    length = completion_bytes(task)
-    task_flags = ["--task", task, "--runs_dir", str(base)]
+    base, size = Path(args.folder) / Path(task).stem, shlex.split(args.model)
+    length = completion_bytes(task, args.reward_flags)
+    task_flags = ["--task", task, *shlex.split(args.reward_flags), "--runs_dir", str(base)]
     rewarded = [*task_flags, "--completion_bytes", str(length)]  # where completions are written
     cells, curves = {}, {"ES, reward": [], "GRPO": [], "ES from random": [], "GRPO from random": []}
     for seed in args.seeds:
@@ -202,14 +205,14 @@ def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
         limit = seconds_of(es)
         es_at_end = rewards.held_out(
             pre / "checkpoints" / (pre / "checkpoints" / "LATEST").read_text().strip(),
-            rewards.Args(task=task, reward=f"--completion_bytes {length}"),
+            rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}"),
             mesh,
         )
         es_ll = rewards.held_out(
             folders["es-likelihood"]
             / "checkpoints"
             / (folders["es-likelihood"] / "checkpoints" / "LATEST").read_text().strip(),
-            rewards.Args(task=task, reward=f"--completion_bytes {length}"),
+            rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}"),
             mesh,
         )
         adam_start = last_validation(adam)
@@ -253,7 +256,7 @@ def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
         ):
             curves[name].append(compare.read_run(folders[key], "reward"))
     budgets = cells.pop("seconds, completions")
-    constant = rewards.constant_answer(rewards.Args(task=task))
+    constant = rewards.constant_answer(rewards.Args(task, args.reward_flags))
     said = [
         f"task {task}: held-out reward (accuracy), mean +- sd over seeds {list(args.seeds)}; "
         f"training seconds {min(b[0] for b in budgets):.1f}-{max(b[0] for b in budgets):.1f}, "
