@@ -22,9 +22,10 @@ The table: held-out reward (accuracy) of greedy completions of the held-out prom
 sd over the seeds, of each start, and of each run at the last validation within the ES reward run's
 training seconds (1% more: a run given seconds ends at the step that passes them), and within as
 many completions scored as the fewer of the two reward methods scored (ES and GRPO from pretrained
-starts; "-" where a run scores none). Training seconds exclude compilation and validation, as
-compare.py counts them. --plot draws the reward runs' curves against generations (steps), training
-seconds and completions (compare.py's plot).
+starts; "-" where a run scores none; a run from a pretrained start with no validation within reads
+as its start). Training seconds exclude compilation and validation, as compare.py counts them.
+--plot draws the reward runs' curves against generations (steps), training seconds and completions
+(compare.py's plot).
 Time is only comparable within one machine and one core: pin the command (taskset -c N).
 """
 
@@ -108,13 +109,14 @@ def last_validation(folder: Path) -> dict:
 SLACK = 1.01  # a run given --train_seconds ends at the step that reaches them: a step past them
 
 
-def within(folder: Path, limit: float, clock: str) -> tuple[float, float]:
-    """(reward, accuracy) at the last validation within `limit` (times SLACK) on `clock` (nan:
-    none)."""
-    return tuple(
+def within(folder: Path, limit: float, clock: str, start=None) -> tuple[float, float]:
+    """(reward, accuracy) at the last validation within `limit` (times SLACK) on `clock`; where
+    none is, the run's `start` (its pretrained model's), else nan."""
+    found = tuple(
         compare.at_wall_time(compare.read_run(folder, m), limit * SLACK, clock=clock)
         for m in ("reward", "accuracy")
     )
+    return start if math.isnan(found[0]) and start is not None else found
 
 
 def summary(pairs: list[tuple[float, float]]) -> str:
@@ -203,7 +205,7 @@ def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
             for k in ("es", "grpo")
         )
         limit = seconds_of(es)
-        es_at_end = rewards.held_out(
+        es_start = rewards.held_out(
             pre / "checkpoints" / (pre / "checkpoints" / "LATEST").read_text().strip(),
             rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}"),
             mesh,
@@ -216,15 +218,18 @@ def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
             mesh,
         )
         adam_start = last_validation(adam)
+        es_begins = (es_start["val/reward"], es_start["val/accuracy"])
+        adam_begins = (adam_start["val/reward"], adam_start["val/accuracy"])
         rows = {
-            "ES pretrained (the start)": ((es_at_end["val/reward"], es_at_end["val/accuracy"]),)
-            * 2,
-            "Adam pretrained (the start)": ((adam_start["val/reward"], adam_start["val/accuracy"]),)
-            * 2,
-            "int8 ES, reward": (within(es, limit, "elapsed"), within(es, scored, "completions")),
+            "ES pretrained (the start)": (es_begins,) * 2,
+            "Adam pretrained (the start)": (adam_begins,) * 2,
+            "int8 ES, reward": (
+                within(es, limit, "elapsed", es_begins),
+                within(es, scored, "completions", es_begins),
+            ),
             "GRPO, reward": (
-                within(folders["grpo"], limit, "elapsed"),
-                within(folders["grpo"], scored, "completions"),
+                within(folders["grpo"], limit, "elapsed", adam_begins),
+                within(folders["grpo"], scored, "completions", adam_begins),
             ),
             "int8 ES, likelihood": (
                 (es_ll["val/reward"], es_ll["val/accuracy"]),

@@ -138,6 +138,7 @@ def test_the_steps_scorer_and_the_same_reward_on_the_host_train_alike(tmp_path):
     assert rewards[0] == rewards[1]
     record = records(runs["step"])[1]  # generation 2: validated
     assert {"train/reward", "train/best_reward", "val/reward", "val/accuracy"} <= set(record)
+    assert record["perf/completions"] == 16  # every member, one prompt (one segment) each
 
 
 def test_a_reward_run_stopped_at_any_generation_resumes_bit_for_bit(tmp_path):
