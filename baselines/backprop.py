@@ -401,15 +401,20 @@ def train(args: Args) -> dict:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, flags: type = Args, trainer=train) -> None:
+    """A command line of `flags` trained by `trainer` (baselines/grpo.py's too): bad input refused
+    in one line (exit 2), a reward that fails on a completion in one line (exit 65, as run.py)."""
     cluster.select_platform("")  # JAX's choice, without jax[cuda12]'s traceback on a CPU machine
     try:
-        args = tyro.cli(Args, args=argv, use_underscores=True)
-        check_range(Args, "num_epochs", args.num_epochs)
-        train(args)
+        args = tyro.cli(flags, args=argv, use_underscores=True)
+        check_range(flags, "num_epochs", args.num_epochs)
+        trainer(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except tasks.RewardFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(65) from None
 
 
 if __name__ == "__main__":

@@ -38,12 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from baselines import backprop  # noqa: E402  (the float models, the writer, the run's folder)
-from egg import UserError, cluster, tasks  # noqa: E402
-from egg.flags import check_range  # noqa: E402
+from egg import UserError, tasks  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -170,14 +168,7 @@ def train(args: Args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cluster.select_platform("")  # JAX's choice, without jax[cuda12]'s traceback on a CPU machine
-    try:
-        args = tyro.cli(Args, args=argv, use_underscores=True)
-        check_range(Args, "num_epochs", args.num_epochs)
-        train(args)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    backprop.main(argv, Args, train)
 
 
 if __name__ == "__main__":

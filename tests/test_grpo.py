@@ -183,3 +183,18 @@ def test_grpo_refuses_a_run_without_a_task_and_a_start_of_another_shape(tmp_path
         script="baselines/grpo.py",
     )
     one_line_error(done, "its parameters are not a mingru of --n_embd 8 --n_layer 1")
+
+
+def test_a_reward_that_fails_stops_grpo_in_one_line_with_run_pys_code(tmp_path):
+    rows = [{"prompt": f"{w}=", "answer": w[-1]} for w in ("ab", "cd") * 4]
+    (tmp_path / "task.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "reward.py").write_text(
+        "def broken(prompts, completions, **kw):\n    return [1.0]\n"
+    )
+    done = cli(
+        "--task", str(tmp_path / "task.jsonl"), "--reward", f"{tmp_path / 'reward.py'}:broken",
+        "--n_embd", "8", "--n_layer", "1", "--batch_size", "2", "--group_size", "2",
+        "--num_epochs", "1", "--runs_dir", str(tmp_path), script="baselines/grpo.py",
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 65 and len(lines) == 1 and "broken" in lines[0], done.stderr
