@@ -285,3 +285,48 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     assert run.null_std(cfg) == run.null_std(one) and run.null_std(cfg) != run.null_std(
         cfg._replace(segments=1)
     )
+
+
+def carrying(**changes):
+    """A transformer 16D-2L of 8 members reading windows of 6 bytes, carrying --carried 8."""
+    given = dict(n_embd=16, n_layer=2, parallel_generations_per_gpu=8, group_size=2)
+    given.update(tokens_per_update=6, segments=1, head_width=4, carried=8)
+    return run.make_config(flags.replace(run.Args(), model="transformer", **given | changes))
+
+
+def test_a_byte_0_hides_every_carried_key():
+    """Members whose window starts with byte 0 (a document's start) score the same from random
+    carried keys, values and flags as from none; without the byte 0 the carried ones count."""
+    cfg = carrying()
+    rng = np.random.default_rng(11)
+    params = random_params(cfg, rng)
+    noise = generation_noise(cfg, 0, jnp.int32(1))
+    tokens = rng.integers(1, 256, (cfg.population, 7)).astype(np.uint8)
+    tokens[:, 0] = 0
+    empty = np.zeros((cfg.population,) + run.carried_state(cfg), np.int8)
+    full = rng.integers(-127, 128, empty.shape).astype(np.int8)
+    full[..., 0] = 1
+
+    def fitness(states, tokens):
+        return fitness_of_one_model(params, noise, states, tokens[:, :-1], tokens[:, 1:], 2, cfg)
+
+    np.testing.assert_array_equal(fitness(full, tokens)[0], fitness(empty, tokens)[0])
+    tokens[:, 0] = 9
+    assert np.all(fitness(full, tokens)[0] != fitness(empty, tokens)[0])
+
+
+def test_a_window_model_read_a_byte_a_call_gives_its_windows_logits():
+    """window_step (write's and --sample's reading) from a document's byte 0 gives each byte the
+    logits read_windows gives it reading the row in windows, carrying keys and values across them
+    (with learned places and with distances)."""
+    for positions in ("learned", "distance"):
+        cfg = carrying(positions=positions)
+        rng = np.random.default_rng(5)
+        params = random_params(cfg, rng)
+        row = rng.integers(1, 256, (1, 23)).astype(np.uint8)
+        row[0, 0] = 0
+        want = np.asarray(run.activations(params, row, cfg)["logits"])[0]
+        read, carried = run.make_reader(cfg), run.one_model(params, cfg, 1)[1]
+        for at, byte in enumerate(row[0]):
+            carried, logits = read(params, carried, np.array([byte], np.uint8))
+            np.testing.assert_array_equal(np.asarray(logits), want[at], err_msg=f"{positions} {at}")
