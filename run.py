@@ -918,17 +918,18 @@ def mingru_traffic(cfg: Config) -> int:
 # perturbation of the segment that read its byte) from window to window, segment to segment and
 # generation to generation, as EGG carries its GRU states: a window's bytes see as far back as
 # --carried bytes before it, within their document (a byte 0 starts one: nothing before it is
-# attended). Positions are learned: a second embedding with a row for each place in the window,
-# one lookup perturbed as the bytes' (rotary positions would rotate q and k by a sine table in
-# every head and layer); a carried key keeps the place it was computed at. The output layer is its
-# own (tied to the embedding, EGG's was 0.13 bits/byte behind at 32D-1L: docs/results.org).
+# attended). Positions are distances (ALiBi's): each head's score lowered by a fixed slope times
+# how far back its key is, no table, so a carried key's distance is known wherever it was
+# computed (egg.c's learned embedding per place in the window was 0.11-0.14 bits/byte behind with
+# keys carried, each keeping the place it was computed at: docs/results.org). The output layer is
+# its own (tied to the embedding, EGG's was 0.13 bits/byte behind at 32D-1L: docs/results.org).
 # Attention's softmax is the log-likelihood's: scores are int8 log2-units at LOGIT_FRAC, their sum
 # of powers of two is read by the same tables, and each probability 2**(score - top - log2 sum)
 # is read back from exp2_frac: no float, no division.
 
 PROB_FRAC = 7  # attention's probabilities: real = q / 2**7, q in [0, 127]
 SCORE_FRAC = 16  # a head's score multiplier: real = q / 2**16
-SLOPE_FRAC = 8  # --positions distance: a head's score lowered by slope x distance, slope q / 2**8
+SLOPE_FRAC = 8  # a head's score is lowered by slope x distance: slope q / 2**8 at LOGIT_FRAC
 
 
 @dataclass(frozen=True)
@@ -938,16 +939,11 @@ class TransformerFlags:
     head_width: Annotated[int, *flag("[1, inf)", training=True)] = 16
     """width of each attention head (divides --n_embd)"""
     context: Annotated[int, *flag("[0, inf)", training=True)] = 0
-    """bytes a window holds, each place with an embedding of its own (0: a segment's bytes, as many
-    as a member reads with one perturbation)"""
+    """bytes a window holds, read at once (0: a segment's bytes, as many as a member reads with
+    one perturbation)"""
     carried: Annotated[int, *flag("[0, inf)", training=True, before=0)] = 64
     """bytes before the window whose keys and values each member carries (0: none, each window
     read alone)"""
-    positions: Annotated[
-        str, *flag(training=True, choices=lambda: ("learned", "distance"), before="learned")
-    ] = "learned"
-    """learned: an embedding per place in the window; distance: no table, each head's score
-    lowered by a fixed slope times the distance back"""
 
 
 def transformer_context(cfg: Config) -> int:
@@ -961,15 +957,12 @@ def transformer_span(cfg: Config) -> int:
 
 
 def transformer_parameters(cfg: Config) -> dict[str, Parameter]:
-    """Byte and place embeddings (places under --positions learned), n_layer blocks (ln1, the
-    attention's Wq Wk Wv Wo, ln2, the MLP's W1 W2), the output layer norm and the head; started as
-    EGG's are."""
+    """Byte embedding, n_layer blocks (ln1, the attention's Wq Wk Wv Wo, ln2, the MLP's W1 W2), the
+    output layer norm and the head; started as EGG's are."""
     n = cfg.n_embd
     square, gain = Parameter((n, n), True, True, None), Parameter((n,), True, False, GAIN_ONE)
-    places = {"pos": Parameter((transformer_context(cfg), n), False, True, None)}
     return {
         "emb": Parameter((VOCAB, n), False, True, None),
-        **(places if cfg.model_flags.positions == "learned" else {}),
         "ln1": gain,
         "Wq": square,
         "Wk": square,
@@ -1017,9 +1010,9 @@ def score_multiplier(width: int) -> int:
 
 
 def distance_slopes(heads: int) -> np.ndarray:
-    """--positions distance: each head's score lowered by its slope times the distance back, at
-    SLOPE_FRAC in LOGIT_FRAC units a byte: ALiBi's slopes 2**(-8 (h + 1) / H) nats a byte (h = 0 ..
-    H - 1) in log2-units, int64 (H,), made on the host."""
+    """Each head's score is lowered by its slope times the distance back, at SLOPE_FRAC in
+    LOGIT_FRAC units a byte: ALiBi's slopes 2**(-8 (h + 1) / H) nats a byte (h = 0 .. H - 1) in
+    log2-units, int64 (H,), made on the host: at H = 2, 1.44 and 0.09 sixteenths of a bit."""
     nats = 2.0 ** (-8 * (np.arange(heads) + 1) / heads)
     return np.round(nats * math.log2(math.e) * 2 ** (LOGIT_FRAC + SLOPE_FRAC)).astype(np.int64)
 
@@ -1043,8 +1036,10 @@ def attention_weights(scores, allowed, tables: Tables):
 def attention(q, k, v, allowed, w: Perturbed, cfg: Config):
     """Causal attention of every member over its window and the bytes carried before it: q (T, R,
     D, S, n), k and v (U, R, D, S, n) (the U - T carried, then the window's), int8 at WEIGHT_FRAC;
-    allowed (R, D, S, T, U) the bytes each byte reads (attention_mask). Returns (T, R, D, S, n)
-    int8: each head's sum p v at PROB_FRAC, floored back to v's scale."""
+    allowed (R, D, S, T, U) the bytes each byte reads (attention_mask). Each head's score
+    q k^T / sqrt(width) in log2-units, less floor(slope x distance) (distance_slopes), clipped to
+    int8. Returns (T, R, D, S, n) int8: each head's sum p v at PROB_FRAC, floored back to v's
+    scale."""
     width = cfg.model_flags.head_width
 
     def heads(x):  # (T, R, D, S, H, width)
@@ -1053,12 +1048,10 @@ def attention(q, k, v, allowed, w: Perturbed, cfg: Config):
     # each product at least DOT_DEPTH deep: zeros added to what it sums over
     q_, k_ = (deepened(heads(x), -1, DOT_DEPTH) for x in (q, k))
     qk = jnp.einsum("trdshc,urdshc->rdshtu", q_, k_, preferred_element_type=i32)
-    scores = (qk * score_multiplier(width)) >> SCORE_FRAC
-    if cfg.model_flags.positions == "distance":  # floor(slope x distance) below, (H, T, U)
-        span, length = k.shape[0], q.shape[0]
-        distance = np.arange(span - length, span)[:, None] - np.arange(span)[None, :]
-        slopes = distance_slopes(q.shape[-1] // width)[:, None, None]
-        scores = scores - jnp.asarray((slopes * np.maximum(distance, 0)) >> SLOPE_FRAC, i32)
+    span, length = k.shape[0], q.shape[0]  # each query's distance to each key, (T, U)
+    distance = np.maximum(np.arange(span - length, span)[:, None] - np.arange(span)[None, :], 0)
+    bias = (distance_slopes(q.shape[-1] // width)[:, None, None] * distance) >> SLOPE_FRAC
+    scores = ((qk * score_multiplier(width)) >> SCORE_FRAC) - jnp.asarray(bias, i32)  # (H, T, U)
     p = attention_weights(clip_int8(scores), allowed[..., None, :, :], w.tables)  # (R,D,S,H,T,U)
     p, values = deepened(p, -1, DOT_DEPTH), deepened(heads(v), 0, DOT_DEPTH)
     out = jnp.einsum("rdshtu,urdshc->trdshc", p, values, preferred_element_type=i32)
@@ -1101,9 +1094,6 @@ def transformer_window(w: Perturbed, carried, bytes_TxRxDxS, cfg: Config):
     flags, kv = carried
     length = bytes_TxRxDxS.shape[0]
     embedding = embed(w, "emb", bytes_TxRxDxS)
-    if cfg.model_flags.positions == "learned":
-        places = jnp.broadcast_to(jnp.arange(length).reshape(-1, 1, 1, 1), bytes_TxRxDxS.shape)
-        embedding = clipped_add(embedding, embed(w, "pos", places))
     allowed = attention_mask(bytes_TxRxDxS, flags)
 
     def layer(x, kv, at):
@@ -1127,17 +1117,17 @@ def transformer_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
         "a smaller --carried or --context",
         width * INT8_MAX**2 * score_multiplier(width),
     )
-    bounds = {
+    slope = int(distance_slopes(max(cfg.n_embd // width, 1))[0])  # the steepest head's
+    return {
         **product_bounds(4 * cfg.n_embd, cfg.rank),
         "a head's score q k^T times its multiplier": (score, "a smaller --head_width"),
+        "a head's score less its distance bias": (
+            (score >> SCORE_FRAC) + ((slope * span) >> SLOPE_FRAC),
+            shorter,
+        ),
         "attention's sum of 2**(-d/16)": (span * 2**EXP_FRAC, shorter),
         "attention's sum p v": (span * INT8_MAX**2, shorter),
     }
-    if cfg.model_flags.positions == "distance":  # the score, then less its slope x distance
-        slope = int(distance_slopes(max(cfg.n_embd // width, 1))[0])
-        bias = (score >> SCORE_FRAC) + ((slope * span) >> SLOPE_FRAC)
-        bounds["a head's score less its distance bias"] = (bias, shorter)
-    return bounds
 
 
 def transformer_traffic(cfg: Config) -> int:

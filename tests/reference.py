@@ -204,7 +204,7 @@ def head_attention(q, k, v, allowed, width: int, bias=None):
 
 
 def distance_bias(head: int, heads: int, distance: int) -> int:
-    """--positions distance: floor(slope x distance) in sixteenths of a bit, slope = ALiBi's
+    """A head's score lowered by floor(slope x distance) in sixteenths of a bit, slope = ALiBi's
     2**(-8 (head + 1) / heads) nats a byte in bits, rounded to 1/256 of a sixteenth."""
     slope = round(2 ** (-8 * (head + 1) / heads) * math.log2(math.e) * 2**12)
     return (slope * distance) >> 8
@@ -217,11 +217,10 @@ def transformer_row(params, noise, sign, toks, sigma_shift, residual_shift, widt
     key and value as computed when j was read: the row computed layer by layer, as one long window
     whose attention reaches C bytes before each window. Where j < 0 it reads the state it started
     with, start = (flags (C,), keys (L, C, n), values (L, C, n)): the C bytes before toks, which t
-    may attend where flags[j] and no byte 0 is in toks[: t + 1]. positions "learned": a byte's
-    embedding plus its place's in its window; "distance": no places, each head's score lowered by
-    distance_bias(t - j). The state after: the last C bytes (of the start's and toks), each with
-    its flag (1 while no byte 0 follows it), key and value."""
-    carried, positions = kw.get("carried", 0), kw.get("positions", "learned")
+    may attend where flags[j] and no byte 0 is in toks[: t + 1]. No embedding of places: each
+    head's score is lowered by distance_bias(t - j). The state after: the last C bytes (of the
+    start's and toks), each with its flag (1 while no byte 0 follows it), key and value."""
+    carried = kw.get("carried", 0)
     nz = pair_noise(noise)
     layers, n = np.asarray(params["Wq"]).shape[0], np.asarray(params["Wq"]).shape[-1]
     start = kw.get("start") or (
@@ -231,12 +230,7 @@ def transformer_row(params, noise, sign, toks, sigma_shift, residual_shift, widt
     )
     flags = [int(f) for f in start[0]]
     documents = [0] * carried + list(np.cumsum([int(t) == 0 for t in toks]))
-    xs = []
-    for t, tok in enumerate(toks):
-        x = embed(params["emb"], int(tok), nz("emb"), sign, sigma_shift)
-        if positions == "learned":
-            x = clip8(x + embed(params["pos"], t % window, nz("pos"), sign, sigma_shift))
-        xs.append(x)
+    xs = [embed(params["emb"], int(tok), nz("emb"), sign, sigma_shift) for tok in toks]
     heads = n // width
     keys_after, values_after = [], []
     for layer in range(layers):
@@ -264,9 +258,7 @@ def transformer_row(params, noise, sign, toks, sigma_shift, residual_shift, widt
             parts = []
             for h in range(heads):
                 i = h * width
-                bias = None
-                if positions == "distance":
-                    bias = [distance_bias(h, heads, t + carried - j) for j in reach]
+                bias = [distance_bias(h, heads, t + carried - j) for j in reach]
                 parts.append(
                     head_attention(
                         q[t][i : i + width],

@@ -104,7 +104,7 @@ def carried_start(rows, cfg):
         ("transformer", {"head_width": 4, "carried": 0}, 1, 0),
         ("transformer", {}, 0, 2),
         ("transformer", {"head_width": 4, "carried": 4}, 1, 0),
-        ("transformer", {"carried": 9, "positions": "distance"}, 2, 1),
+        ("transformer", {"carried": 9}, 2, 1),
     ],
 )
 def test_the_other_models_fitness_equals_the_reference_for_every_member(
@@ -148,7 +148,7 @@ def test_the_other_models_fitness_equals_the_reference_for_every_member(
         sign, noise_of = 1 - 2 * (member % 2), pair(noise, member // 2)
         inputs, targets = tokens[member, :-1], tokens[member, 1:]
         if model == "transformer":
-            carried, positions = cfg.model_flags.carried, cfg.model_flags.positions
+            carried = cfg.model_flags.carried
             settings = (2, residual_shift, width, 6)
             start = carried_start(states[member], cfg) if carried else None
             want, _, after = reference.transformer_fitness(
@@ -159,7 +159,6 @@ def test_the_other_models_fitness_equals_the_reference_for_every_member(
                 targets,
                 *settings,
                 carried=carried,
-                positions=positions,
                 start=start,
             )
             if carried:
@@ -317,16 +316,15 @@ def test_a_byte_0_hides_every_carried_key():
 
 def test_a_window_model_read_a_byte_a_call_gives_its_windows_logits():
     """window_step (write's and --sample's reading) from a document's byte 0 gives each byte the
-    logits read_windows gives it reading the row in windows, carrying keys and values across them
-    (with learned places and with distances)."""
-    for positions in ("learned", "distance"):
-        cfg = carrying(positions=positions)
-        rng = np.random.default_rng(5)
-        params = random_params(cfg, rng)
-        row = rng.integers(1, 256, (1, 23)).astype(np.uint8)
-        row[0, 0] = 0
-        want = np.asarray(run.activations(params, row, cfg)["logits"])[0]
-        read, carried = run.make_reader(cfg), run.one_model(params, cfg, 1)[1]
-        for at, byte in enumerate(row[0]):
-            carried, logits = read(params, carried, np.array([byte], np.uint8))
-            np.testing.assert_array_equal(np.asarray(logits), want[at], err_msg=f"{positions} {at}")
+    logits read_windows gives it reading the row in windows, carrying keys and values across
+    them."""
+    cfg = carrying()
+    rng = np.random.default_rng(5)
+    params = random_params(cfg, rng)
+    row = rng.integers(1, 256, (1, 23)).astype(np.uint8)
+    row[0, 0] = 0
+    want = np.asarray(run.activations(params, row, cfg)["logits"])[0]
+    read, carried = run.make_reader(cfg), run.one_model(params, cfg, 1)[1]
+    for at, byte in enumerate(row[0]):
+        carried, logits = read(params, carried, np.array([byte], np.uint8))
+        np.testing.assert_array_equal(np.asarray(logits), want[at], err_msg=str(at))
