@@ -920,7 +920,7 @@ def mingru_traffic(cfg: Config) -> int:
 # --carried bytes before it, within their document (a byte 0 starts one: nothing before it is
 # attended). Positions are distances (ALiBi's): each head's score lowered by a fixed slope times
 # how far back its key is, no table, so a carried key's distance is known wherever it was
-# computed (egg.c's learned embedding per place in the window was 0.11-0.14 bits/byte behind with
+# computed (egg.c's learned embedding per place in the window was 0.08-0.17 bits/byte behind with
 # keys carried, each keeping the place it was computed at: docs/results.org). The output layer is
 # its own (tied to the embedding, EGG's was 0.13 bits/byte behind at 32D-1L: docs/results.org).
 # Attention's softmax is the log-likelihood's: scores are int8 log2-units at LOGIT_FRAC, their sum
