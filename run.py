@@ -718,12 +718,13 @@ class Model(NamedTuple):
 
     parameters(cfg) -> {name: Parameter}, in the noise stream's order
     state(cfg) -> one member's carried state's shape, int8 ((0,) for none)
-    begin(states_Mx..., layout, cfg) -> what step carries from byte to byte, the members laid out
-    (R, D, S) = layout; end(carried, cfg) -> the states (M, ...)
+    begin(states_Mx..., layout, cfg) -> what step (or window) carries from byte to byte (window to
+    window), the members laid out (R, D, S) = layout, each array's axes ending (R, D, S, x);
+    end(carried, cfg) -> the states (M, ...)
     step(w, carried, byte_RxDxS, cfg) -> (logits_RxDxSxV int8 at LOGIT_FRAC, carried, activations)
-    window(w, bytes_TxRxDxS, cfg) -> (logits_TxRxDxSxV, activations), each byte's from those before
-    in its window (T at most its context; read_windows cuts longer reads), activations (T, [L,] R,
-    D, S, width)
+    window(w, carried, bytes_TxRxDxS, cfg) -> (logits_TxRxDxSxV, carried, activations), each byte's
+    from those before in its window and what is carried (T at most its context; read_windows cuts
+    longer reads), activations (T, [L,] R, D, S, width)
     context(cfg) -> a window model's context: the bytes it reads at once (a segment shorter than it
     is refused)
     groups: the matrices each call of products() multiplies one input by (the kernel stacks them)
@@ -911,18 +912,24 @@ def mingru_traffic(cfg: Config) -> int:
 
 
 # A transformer as egg.c and d-eggs train one, integer only: each block causal self-attention over
-# the member's window (the bytes it reads with one perturbation; the bytes since the last document
-# separator), then an MLP with a ReLU, each after its layer norm and joining the residual stream.
-# Positions are learned: a second embedding with a row for each place in the window, one lookup
-# perturbed as the bytes' (rotary positions would rotate q and k by a sine table in every head
-# and layer). The output layer is its own (tied to the embedding, EGG's was 0.13 bits/byte behind
-# at 32D-1L: docs/results.org). Attention's softmax is the log-likelihood's: scores are int8
-# log2-units at LOGIT_FRAC, their sum of powers of two is read by the same tables, and each
-# probability 2**(score - top - log2 sum) is read back from exp2_frac: no float, no division.
-# Nothing is carried from one window to the next.
+# the member's window (the bytes it reads with one perturbation) and the keys and values of the
+# --carried bytes before it, then an MLP with a ReLU, each after its layer norm and joining the
+# residual stream. A member carries those keys and values (int8, as computed, each with the
+# perturbation of the segment that read its byte) from window to window, segment to segment and
+# generation to generation, as EGG carries its GRU states: a window's bytes see as far back as
+# --carried bytes before it, within their document (a byte 0 starts one: nothing before it is
+# attended). Positions are distances (ALiBi's): each head's score lowered by a fixed slope times
+# how far back its key is, no table, so a carried key's distance is known wherever it was
+# computed (egg.c's learned embedding per place in the window was 0.08-0.17 bits/byte behind with
+# keys carried, each keeping the place it was computed at: docs/results.org). The output layer is
+# its own (tied to the embedding, EGG's was 0.13 bits/byte behind at 32D-1L: docs/results.org).
+# Attention's softmax is the log-likelihood's: scores are int8 log2-units at LOGIT_FRAC, their sum
+# of powers of two is read by the same tables, and each probability 2**(score - top - log2 sum)
+# is read back from exp2_frac: no float, no division.
 
 PROB_FRAC = 7  # attention's probabilities: real = q / 2**7, q in [0, 127]
 SCORE_FRAC = 16  # a head's score multiplier: real = q / 2**16
+SLOPE_FRAC = 8  # a head's score is lowered by slope x distance: slope q / 2**8 at LOGIT_FRAC
 
 
 @dataclass(frozen=True)
@@ -932,8 +939,11 @@ class TransformerFlags:
     head_width: Annotated[int, *flag("[1, inf)", training=True)] = 16
     """width of each attention head (divides --n_embd)"""
     context: Annotated[int, *flag("[0, inf)", training=True)] = 0
-    """bytes a window holds, each place with an embedding of its own (0: a segment's bytes, as many
-    as a member reads with one perturbation)"""
+    """bytes a window holds, read at once (0: a segment's bytes, as many as a member reads with
+    one perturbation)"""
+    carried: Annotated[int, *flag("[0, inf)", training=True, before=0)] = 64
+    """bytes before the window whose keys and values each member carries (0: none, each window
+    read alone)"""
 
 
 def transformer_context(cfg: Config) -> int:
@@ -941,14 +951,18 @@ def transformer_context(cfg: Config) -> int:
     return cfg.model_flags.context or window_length(cfg)
 
 
+def transformer_span(cfg: Config) -> int:
+    """The most bytes a byte attends to: its window's and the carried ones before it."""
+    return cfg.model_flags.carried + transformer_context(cfg)
+
+
 def transformer_parameters(cfg: Config) -> dict[str, Parameter]:
-    """Byte and place embeddings, n_layer blocks (ln1, the attention's Wq Wk Wv Wo, ln2, the MLP's
-    W1 W2), the output layer norm and the head; started as EGG's are."""
+    """Byte embedding, n_layer blocks (ln1, the attention's Wq Wk Wv Wo, ln2, the MLP's W1 W2), the
+    output layer norm and the head; started as EGG's are."""
     n = cfg.n_embd
     square, gain = Parameter((n, n), True, True, None), Parameter((n,), True, False, GAIN_ONE)
     return {
         "emb": Parameter((VOCAB, n), False, True, None),
-        "pos": Parameter((transformer_context(cfg), n), False, True, None),
         "ln1": gain,
         "Wq": square,
         "Wk": square,
@@ -962,12 +976,45 @@ def transformer_parameters(cfg: Config) -> dict[str, Parameter]:
     }
 
 
+def transformer_state(cfg: Config) -> tuple[int, ...]:
+    """The last --carried bytes a member read, each a row (C, 1 + 2 L n): 1 where a byte after the
+    window may attend it (in the current document), else 0; then its key and value at each layer,
+    int8 at WEIGHT_FRAC. (0,) with none carried."""
+    carried = cfg.model_flags.carried
+    return (carried, 1 + 2 * cfg.n_layer * cfg.n_embd) if carried else (0,)
+
+
+def transformer_begin(states_MxCxK, layout: tuple[int, int, int], cfg: Config):
+    """(flags (C, R, D, S, 1) int8, keys and values (L, 2, C, R, D, S, n) as layer_carry makes
+    them) of the members laid out (R, D, S) = layout."""
+    carried, n, layers = cfg.model_flags.carried, cfg.n_embd, cfg.n_layer
+    rows = jnp.moveaxis(states_MxCxK.reshape(layout + (carried, 1 + 2 * layers * n)), 3, 0)
+    kv = rows[..., 1:].reshape(rows.shape[:4] + (layers, 2, n))  # (C, R, D, S, L, 2, n)
+    return rows[..., :1], layer_carry(jnp.moveaxis(kv, (4, 5), (0, 1)), cfg)
+
+
+def transformer_end(carried, cfg: Config):
+    """The members' states (M, C, 1 + 2 L n) from transformer_begin's layout ((0,) with none)."""
+    flags, kv = carried
+    kv = jnp.moveaxis(jnp.stack(kv), (0, 1), (4, 5))  # (C, R, D, S, L, 2, n)
+    rows = jnp.concatenate([flags, kv.reshape(kv.shape[:4] + (2 * cfg.n_layer * cfg.n_embd,))], -1)
+    return jnp.moveaxis(rows, 0, 3).reshape((math.prod(rows.shape[1:4]),) + transformer_state(cfg))
+
+
 def score_multiplier(width: int) -> int:
     """q k^T of a head `width` wide (q, k at WEIGHT_FRAC) as a score at LOGIT_FRAC, log2-units:
     scaled by 1 / sqrt(width), then by log2(e) (a softmax's e**x is 2**(x log2 e)), at SCORE_FRAC.
     A constant of the configuration, made on the host as the tables are."""
     real = 2**LOGIT_FRAC * math.log2(math.e) / (2 ** (2 * WEIGHT_FRAC) * math.sqrt(width))
     return round(real * 2**SCORE_FRAC)
+
+
+def distance_slopes(heads: int) -> np.ndarray:
+    """Each head's score is lowered by its slope times the distance back, at SLOPE_FRAC in
+    LOGIT_FRAC units a byte: ALiBi's slopes 2**(-8 (h + 1) / H) nats a byte (h = 0 .. H - 1) in
+    log2-units, int64 (H,), made on the host: at H = 2, 1.44 and 0.09 sixteenths of a bit."""
+    nats = 2.0 ** (-8 * (np.arange(heads) + 1) / heads)
+    return np.round(nats * math.log2(math.e) * 2 ** (LOGIT_FRAC + SLOPE_FRAC)).astype(np.int64)
 
 
 def attention_weights(scores, allowed, tables: Tables):
@@ -987,9 +1034,12 @@ def attention_weights(scores, allowed, tables: Tables):
 
 
 def attention(q, k, v, allowed, w: Perturbed, cfg: Config):
-    """Causal attention of every member over its window: q, k, v (T, R, D, S, n) int8 at
-    WEIGHT_FRAC, allowed (R, D, S, T, U) the bytes U each byte T reads (attention_mask).
-    Returns (T, R, D, S, n) int8: each head's sum p v at PROB_FRAC, floored back to v's scale."""
+    """Causal attention of every member over its window and the bytes carried before it: q (T, R,
+    D, S, n), k and v (U, R, D, S, n) (the U - T carried, then the window's), int8 at WEIGHT_FRAC;
+    allowed (R, D, S, T, U) the bytes each byte reads (attention_mask). Each head's score
+    q k^T / sqrt(width) in log2-units, less floor(slope x distance) (distance_slopes), clipped to
+    int8. Returns (T, R, D, S, n) int8: each head's sum p v at PROB_FRAC, floored back to v's
+    scale."""
     width = cfg.model_flags.head_width
 
     def heads(x):  # (T, R, D, S, H, width)
@@ -998,73 +1048,95 @@ def attention(q, k, v, allowed, w: Perturbed, cfg: Config):
     # each product at least DOT_DEPTH deep: zeros added to what it sums over
     q_, k_ = (deepened(heads(x), -1, DOT_DEPTH) for x in (q, k))
     qk = jnp.einsum("trdshc,urdshc->rdshtu", q_, k_, preferred_element_type=i32)
-    scores = clip_int8((qk * score_multiplier(width)) >> SCORE_FRAC)
-    p = attention_weights(scores, allowed[..., None, :, :], w.tables)  # (R, D, S, H, T, U)
+    span, length = k.shape[0], q.shape[0]  # each query's distance to each key, (T, U)
+    distance = np.maximum(np.arange(span - length, span)[:, None] - np.arange(span)[None, :], 0)
+    bias = (distance_slopes(q.shape[-1] // width)[:, None, None] * distance) >> SLOPE_FRAC
+    scores = ((qk * score_multiplier(width)) >> SCORE_FRAC) - jnp.asarray(bias, i32)  # (H, T, U)
+    p = attention_weights(clip_int8(scores), allowed[..., None, :, :], w.tables)  # (R,D,S,H,T,U)
     p, values = deepened(p, -1, DOT_DEPTH), deepened(heads(v), 0, DOT_DEPTH)
     out = jnp.einsum("rdshtu,urdshc->trdshc", p, values, preferred_element_type=i32)
     return clip_int8(out >> PROB_FRAC).reshape(q.shape)
 
 
-def attention_mask(bytes_TxRxDxS):
-    """The bytes each byte of a window reads, (R, D, S, T, U): itself and those before it in its
-    document (a byte 0 starts one, as it restarts EGG's state)."""
+def attention_mask(bytes_TxRxDxS, flags_CxRxDxSx1):
+    """The bytes each byte of a window reads, (R, D, S, T, C + T): the carried ones its document
+    may read (flags 1) while no byte 0 comes before it in the window, then itself and those before
+    it in its document (a byte 0 starts one, as it restarts EGG's state)."""
     documents = jnp.moveaxis(jnp.cumsum(bytes_TxRxDxS == 0, axis=0), 0, -1)  # (R, D, S, T)
     places = jnp.arange(bytes_TxRxDxS.shape[0])
     before = places[:, None] >= places[None, :]
-    return before & (documents[..., :, None] == documents[..., None, :])
+    within = before & (documents[..., :, None] == documents[..., None, :])
+    carried = jnp.moveaxis(flags_CxRxDxSx1[..., 0] != 0, 0, -1)  # (R, D, S, C)
+    seen = carried[..., None, :] & (documents == 0)[..., None]
+    return jnp.concatenate([seen, within], axis=-1)
 
 
-def transformer_block(x, allowed, layer, w: Perturbed, cfg: Config):
-    """One block of every member: attention, then an MLP (n -> 4n -> n, a ReLU between), each
-    after its layer norm and joining the residual stream; the new stream and activations."""
+def transformer_block(x, kv, allowed, layer, w: Perturbed, cfg: Config):
+    """One block of every member: attention over its window and its carried keys and values kv
+    (2, C, R, D, S, n), then an MLP (n -> 4n -> n, a ReLU between), each after its layer norm and
+    joining the residual stream; the new stream, the last C bytes' keys and values, and
+    activations."""
     q, k, v = products(w, x, ("Wq", "Wk", "Wv"), layer, gain="ln1")
-    attended = attention(q, k, v, allowed, w, cfg)
+    keys, values = jnp.concatenate([kv[0], k]), jnp.concatenate([kv[1], v])  # (C + T, R, D, S, n)
+    attended = attention(q, keys, values, allowed, w, cfg)
     (x,) = products(w, attended, ("Wo",), layer, residual=x)
     (hidden,) = products(w, x, ("W1",), layer, gain="ln2")
     hidden = jnp.maximum(hidden, 0)
     (x,) = products(w, hidden, ("W2",), layer, residual=x)
-    return x, {"attended": attended, "mlp_hidden": hidden, "residual": x}
+    kept = jnp.stack([keys, values])[:, x.shape[0] :]
+    return x, kept, {"attended": attended, "mlp_hidden": hidden, "residual": x}
 
 
-def transformer_window(w: Perturbed, bytes_TxRxDxS, cfg: Config):
-    """A window's logits (T, R, D, S, 256) and activations (T, [L,] R, D, S, width)."""
-    places = jnp.broadcast_to(
-        jnp.arange(bytes_TxRxDxS.shape[0]).reshape(-1, 1, 1, 1), bytes_TxRxDxS.shape
-    )
-    embedding = clipped_add(embed(w, "emb", bytes_TxRxDxS), embed(w, "pos", places))
-    allowed = attention_mask(bytes_TxRxDxS)
+def transformer_window(w: Perturbed, carried, bytes_TxRxDxS, cfg: Config):
+    """A window's logits (T, R, D, S, 256), the state carried past it (transformer_begin's
+    layout: the last C bytes of the carried ones and the window's) and activations (T, [L,] R, D,
+    S, width)."""
+    flags, kv = carried
+    length = bytes_TxRxDxS.shape[0]
+    embedding = embed(w, "emb", bytes_TxRxDxS)
+    allowed = attention_mask(bytes_TxRxDxS, flags)
 
-    def layer(x, no_state, at):
-        x, seen = transformer_block(x, allowed, at, w, cfg)
-        return x, no_state, seen
+    def layer(x, kv, at):
+        return transformer_block(x, kv, allowed, at, w, cfg)
 
-    no_states = layer_carry(jnp.zeros((cfg.n_layer, 0), jnp.int8), cfg)
-    x, _, seen = each_layer(layer, embedding, no_states, cfg)
+    x, kv, seen = each_layer(layer, embedding, kv, cfg)
     (logits,) = products(w, x, ("head",), gain="ln_out")
     seen = {k: jnp.moveaxis(a, 0, 1) for k, a in seen.items()}  # each (T, L, R, D, S, width)
-    return logits, {"embedding": embedding, **seen, "logits": logits}
+    # a byte stays attendable while no byte 0 follows it: those carried while the window has none
+    documents = jnp.cumsum(bytes_TxRxDxS == 0, axis=0)[..., None]  # (T, R, D, S, 1)
+    ahead = jnp.concatenate([flags * (documents[-1:] == 0), documents == documents[-1:]])
+    flags = ahead[length:].astype(jnp.int8)
+    return logits, (flags, kv), {"embedding": embedding, **seen, "logits": logits}
 
 
 def transformer_bounds(cfg: Config) -> dict[str, tuple[int, str]]:
-    """Its products' (the widest input: 4 n), a head's scores, attention's sum and its p v."""
-    width, window = cfg.model_flags.head_width, transformer_context(cfg)
-    shorter = "a smaller --context"
+    """Its products' (the widest input: 4 n), a head's scores, attention's sum and its p v over
+    the longest span a byte reads (the carried bytes and a window)."""
+    width, span = cfg.model_flags.head_width, transformer_span(cfg)
+    shorter, score = (
+        "a smaller --carried or --context",
+        width * INT8_MAX**2 * score_multiplier(width),
+    )
+    slope = int(distance_slopes(max(cfg.n_embd // width, 1))[0])  # the steepest head's
     return {
         **product_bounds(4 * cfg.n_embd, cfg.rank),
-        "a head's score q k^T times its multiplier": (
-            width * INT8_MAX**2 * score_multiplier(width),
-            "a smaller --head_width",
+        "a head's score q k^T times its multiplier": (score, "a smaller --head_width"),
+        "a head's score less its distance bias": (
+            (score >> SCORE_FRAC) + ((slope * span) >> SLOPE_FRAC),
+            shorter,
         ),
-        "attention's sum of 2**(-d/16)": (window * 2**EXP_FRAC, shorter),
-        "attention's sum p v": (window * INT8_MAX**2, shorter),
+        "attention's sum of 2**(-d/16)": (span * 2**EXP_FRAC, shorter),
+        "attention's sum p v": (span * INT8_MAX**2, shorter),
     }
 
 
 def transformer_traffic(cfg: Config) -> int:
     """Every product's int8 input and output and the residual stream, 18 n a layer, with each
-    head's scores and probabilities, 4 H W (W the window); 2 n + 2 x 256 around them."""
-    heads = cfg.n_embd // cfg.model_flags.head_width
-    layer = 18 * cfg.n_embd + 4 * heads * transformer_context(cfg)
+    head's scores and probabilities over its span, 4 H (C + W), and the carried keys and values
+    read, 2 n C / W (C carried, W the window); 2 n + 2 x 256 around them."""
+    heads, window = cfg.n_embd // cfg.model_flags.head_width, transformer_context(cfg)
+    carried = cfg.model_flags.carried
+    layer = 18 * cfg.n_embd + 4 * heads * transformer_span(cfg) + 2 * cfg.n_embd * carried // window
     return layer * cfg.n_layer + 2 * cfg.n_embd + 2 * VOCAB
 
 
@@ -1101,9 +1173,9 @@ MODELS = {
     ),
     "transformer": Model(
         transformer_parameters,
-        lambda cfg: (0,),  # nothing carried
-        None,
-        None,
+        transformer_state,
+        transformer_begin,
+        transformer_end,
         step=None,
         window=transformer_window,
         groups=(("Wq", "Wk", "Wv"), ("Wo",), ("W1",), ("W2",), ("head",)),
@@ -1179,26 +1251,62 @@ def perturbed(params, noise, sides: Sides, cfg: Config) -> Perturbed:
     )
 
 
-def read_windows(w: Perturbed, bytes_TxRxDxS, cfg: Config):
-    """A window model's logits (T, R, D, S, 256) and activations over T bytes, read a window at a
-    time (its context's bytes, the last padded): the windows become more repeats of each pair."""
+def read_windows(w: Perturbed, carried, bytes_TxRxDxS, cfg: Config):
+    """A window model's logits (T, R, D, S, 256), what it carries after them and its activations
+    over T bytes, read a window (its context's bytes) at a time in turn, each window carrying on
+    from the one before; the last one shorter where T is not a multiple."""
     model = MODELS[cfg.model]
     window = model.context(cfg)
-    length, repeats = bytes_TxRxDxS.shape[:2]
-    count = -(-length // window)
-    if count == 1:
-        return model.window(w, bytes_TxRxDxS, cfg)
-    padded = jnp.pad(bytes_TxRxDxS, ((0, count * window - length),) + ((0, 0),) * 3)
-    split = padded.reshape((count, window) + padded.shape[1:])  # (C, W, R, D, S)
-    folded = jnp.swapaxes(split, 0, 1).reshape((window, count * repeats) + padded.shape[2:])
+    full, rest = divmod(bytes_TxRxDxS.shape[0], window)
+    parts = []
+    if full == 1:
+        logits, carried, seen = model.window(w, carried, bytes_TxRxDxS[:window], cfg)
+        parts.append((logits, seen))
+    elif full:
 
-    def unfold(x):  # (W, [L,] C R, D, S, ...) -> (T, [L,] R, D, S, ...)
-        at = x.ndim - 4  # the repeats' axis, before (D, S, width)
-        x = x.reshape(x.shape[:at] + (count, repeats) + x.shape[at + 1 :])
-        x = jnp.moveaxis(x, at, 0)
-        return x.reshape((count * window,) + x.shape[2:])[:length]
+        def read(carried, bytes_now):
+            logits, carried, seen = model.window(w, carried, bytes_now, cfg)
+            return carried, (logits, seen)
 
-    return jax.tree.map(unfold, model.window(w, folded, cfg))
+        split = bytes_TxRxDxS[: full * window]
+        carried, out = jax.lax.scan(read, carried, split.reshape((full, window) + split.shape[1:]))
+        parts.append(jax.tree.map(lambda x: x.reshape((full * window,) + x.shape[2:]), out))
+    if rest:
+        logits, carried, seen = model.window(w, carried, bytes_TxRxDxS[full * window :], cfg)
+        parts.append((logits, seen))
+    logits, seen = jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+    return logits, carried, seen
+
+
+def window_step(w: Perturbed, carried, byte_RxDxS, cfg: Config):
+    """A window model reading one byte, as a byte model's step (write and --sample read so):
+    carried = (its own carried state, the window so far (W, R, D, S) uint8, its bytes (R, D, S)
+    int32). The byte's logits are the window's read so far (zeros after it: none is read); a full
+    window's state is carried on and a new window begun. A byte 0 begins a new window: a document
+    (a prompt, --sample's text) read from its start, its windows where training would cut them
+    had it started one."""
+    state, buffer, filled = carried
+    filled = jnp.where(byte_RxDxS == 0, 0, filled)
+    places = jnp.arange(buffer.shape[0]).reshape(-1, 1, 1, 1)
+    buffer = jnp.where(places == filled, byte_RxDxS, jnp.where(places < filled, buffer, 0))
+    logits, after, _ = MODELS[cfg.model].window(w, state, buffer, cfg)
+    logits = jnp.take_along_axis(logits, filled[None, ..., None], axis=0)[0]
+    filled = filled + 1
+    full = filled == buffer.shape[0]
+    state = jax.tree.map(lambda a, b: jnp.where(full[..., None], a, b), after, state)
+    return logits, (state, buffer, jnp.where(full, 0, filled)), None
+
+
+def reading(cfg: Config, count: int, layout: tuple[int, int, int]):
+    """(step, carried): how count members laid out (R, D, S) = layout read bytes one at a time
+    from zero states: a byte model's step, or a window model's window_step."""
+    model = MODELS[cfg.model]
+    carried = model.begin(jnp.zeros((count,) + model.state(cfg), jnp.int8), layout, cfg)
+    if model.window is None:
+        return model.step, carried
+    window = model.context(cfg)
+    empty = (jnp.zeros((window,) + layout, jnp.uint8), jnp.zeros(layout, i32))
+    return window_step, (carried, *empty)
 
 
 def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg: Config):
@@ -1215,9 +1323,9 @@ def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg
     layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
     w = perturbed(params, noise, make_sides(0 if noise is None else sigma_shift, sides), cfg)
     inputs, targets = (x.T.reshape((-1,) + layout) for x in (inputs_MxT, targets_MxT))
-    states = states_MxS  # a window model carries none
+    carried = model.begin(states_MxS, layout, cfg)
     if model.window is not None:
-        logits, _ = read_windows(w, inputs, cfg)
+        logits, carried, _ = read_windows(w, carried, inputs, cfg)
         ll_TxRxDxS = log2_likelihood(logits, targets, w.tables)
     else:
 
@@ -1225,10 +1333,8 @@ def forward(params, noise, states_MxS, inputs_MxT, targets_MxT, sigma_shift, cfg
             logits, carried, _ = model.step(w, carried, io[0], cfg)
             return carried, log2_likelihood(logits, io[1], w.tables)
 
-        carried = model.begin(states_MxS, layout, cfg)
         carried, ll_TxRxDxS = jax.lax.scan(read, carried, (inputs, targets))
-        states = model.end(carried, cfg)
-    return jnp.sum(ll_TxRxDxS, axis=0).reshape(count), states
+    return jnp.sum(ll_TxRxDxS, axis=0).reshape(count), model.end(carried, cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1465,52 +1571,35 @@ def write(params, noise, prompts_MxL, bits, sigma_shift, cfg: Config):
     (a document's end): (M, C) uint8, each completion's bytes, then zeros (its stop byte not among
     them). noise and sigma_shift as forward's.
 
-    A byte model reads the prompt byte by byte, then each byte it writes; a window model reads, for
-    each byte it writes, the window of its context's bytes before it (the prompt padded to one)."""
-    model, count = MODELS[cfg.model], prompts_MxL.shape[0]
+    Every model reads the prompt byte by byte from zero states, then each byte it writes (a window
+    model by window_step: the prompt's document begun at its byte 0, its windows cut from there,
+    nothing carried from before it)."""
+    count = prompts_MxL.shape[0]
     sides = 1 if noise is None else 2
     distinct = count // sides if noise is None else jax.tree.leaves(noise)[0].shape[0]
     layout = (count // (sides * distinct), distinct, sides)  # (R, D, S)
     w = perturbed(params, noise, make_sides(0 if noise is None else sigma_shift, sides), cfg)
     length = cfg.objective_flags.completion_bytes
-    if model.window is None:  # the state after all of the prompt but its last byte
+    step, carried = reading(cfg, count, layout)
 
-        def read(carried, byte):
-            return model.step(w, carried, byte, cfg)[1], None
+    def read(carried, byte):  # the state after all of the prompt but its last byte
+        return step(w, carried, byte, cfg)[1], None
 
-        def next_logits(carried, byte, at):
-            logits, carried, _ = model.step(w, carried, byte, cfg)
-            return logits, carried
-
-        prompts = prompts_MxL.T.reshape((-1,) + layout)  # (L, R, D, S)
-        states = jnp.zeros((count,) + model.state(cfg), jnp.int8)
-        state = jax.lax.scan(read, model.begin(states, layout, cfg), prompts[:-1])[0]
-    else:  # every byte so far in a buffer: (L + C, R, D, S)
-        context = model.context(cfg)
-        padded = jnp.pad(prompts_MxL, ((0, 0), (max(context - prompts_MxL.shape[1], 0), length)))
-        prompts = padded.T.reshape((-1,) + layout)
-        written = padded.shape[1] - length  # where the first byte written goes
-
-        def next_logits(buffer, byte, at):
-            buffer = jax.lax.dynamic_update_slice_in_dim(buffer, byte[None], written + at - 1, 0)
-            window = jax.lax.dynamic_slice_in_dim(buffer, written + at - context, context, 0)
-            return model.window(w, window, cfg)[0][-1], buffer
-
-        state, prompts = prompts, prompts[:written]  # the buffer, carried; the prompt, to start
+    prompts = prompts_MxL.T.reshape((-1,) + layout)  # (L, R, D, S)
+    state = jax.lax.scan(read, carried, prompts[:-1])[0]
     temperature, tables = temperature_of(cfg), w.tables
     pairs = (layout[0], layout[1], 1, VOCAB)  # a pair's draws, against the members' axes
 
-    def write_byte(carry, xs):
+    def write_byte(carry, bits_now):
         state, byte, ended = carry
-        at, bits_now = xs
-        logits, state = next_logits(state, byte, at)
+        logits, state, _ = step(w, state, byte, cfg)
         drawn = None if bits_now is None else bits_now.reshape(pairs)
         new = choose_bytes(logits, drawn, temperature, tables)
         ended = ended | (new == cfg.stop) | (new == 0)
         return (state, new, ended), jnp.where(ended, 0, new).astype(jnp.uint8)
 
     start = (state, prompts[-1], jnp.zeros(layout, bool))
-    out = jax.lax.scan(write_byte, start, (jnp.arange(length), bits))[1]  # (C, R, D, S)
+    out = jax.lax.scan(write_byte, start, bits, length=length)[1]  # (C, R, D, S)
     return jnp.moveaxis(out, 0, -1).reshape(count, length)
 
 
@@ -2713,26 +2802,20 @@ def bits_per_byte(log2_likelihood_sum, num_tokens: int) -> float:
 
 def one_model(params, cfg: Config, rows: int) -> tuple[Perturbed, Any]:
     """One model's Perturbed, noise-free, for `rows` read side by side, and their zero states as
-    its byte loop carries them (laid out (1, rows, 1): R = S = 1)."""
+    it carries them reading a byte at a time (reading; laid out (1, rows, 1): R = S = 1)."""
     w = perturbed(params, None, make_sides(0, 1), cfg)
-    model = MODELS[cfg.model]
-    states = jnp.zeros((rows,) + model.state(cfg), jnp.int8)
-    return w, model.begin(states, (1, rows, 1), cfg) if model.window is None else None
+    return w, reading(cfg, rows, (1, rows, 1))[1]
 
 
 @cache
 def make_reader(cfg: Config):
-    """read(params, carried, bytes (n,) uint8) -> (carried, the next byte's logits (256,) int8 at
-    LOGIT_FRAC), jitted: a byte model reads the last byte and carries its state; a window model
-    reads the n bytes (its window) and carries nothing."""
-    model = MODELS[cfg.model]
+    """read(params, carried, byte (1,) uint8) -> (carried, the next byte's logits (256,) int8 at
+    LOGIT_FRAC), jitted: every model reads the byte and carries its state (reading)."""
 
-    def read(params, carried, context):
+    def read(params, carried, byte):
         w = one_model(params, cfg, 1)[0]
-        if model.window is not None:
-            logits = model.window(w, context.reshape(-1, 1, 1, 1), cfg)[0][-1]
-        else:
-            logits, carried, _ = model.step(w, carried, context[-1:].reshape(1, 1, 1), cfg)
+        step = reading(cfg, 1, (1, 1, 1))[0]
+        logits, carried, _ = step(w, carried, byte.reshape(1, 1, 1), cfg)
         return carried, logits.reshape(VOCAB)
 
     return jax.jit(read)
@@ -2741,18 +2824,14 @@ def make_reader(cfg: Config):
 def sample_text(params, cfg: Config, flags: sampling.Flags, seed: int, stop=None) -> bytes:
     """--prompt and its continuation by --max_new_bytes bytes (egg/sampling.py draws them, the same
     for a seed), or fewer, ending before a `stop` byte; the prompt read after a byte 0 (the
-    document separator), a window model's every window whole (zeros before the start, as write
-    reads a prompt); the logits of each call (log2-probabilities at LOGIT_FRAC) are read on the host
-    as bits: a sync point."""
+    document separator: from a fresh start, as write reads a prompt); the logits of each call
+    (log2-probabilities at LOGIT_FRAC) are read on the host as bits: a sync point."""
     read, carried = make_reader(cfg), one_model(params, cfg, 1)[1]
-    window = MODELS[cfg.model].context(cfg) if MODELS[cfg.model].window is not None else 1
-    context = bytes(window)
 
     def next_bits(data: bytes) -> np.ndarray:
-        nonlocal carried, context
-        for byte in data:  # a byte a call, each of one length: one program
-            context = (context + bytes([byte]))[-window:]
-            carried, logits = read(params, carried, np.frombuffer(context, np.uint8))
+        nonlocal carried
+        for byte in data:  # a byte a call: one program
+            carried, logits = read(params, carried, np.array([byte], np.uint8))
         return np.asarray(logits, np.float64) / 2**LOGIT_FRAC
 
     prompt = sampling.prompt_bytes(flags.prompt)
@@ -2766,9 +2845,12 @@ def make_activations(cfg: Config):
     model = MODELS[cfg.model]
 
     def read_rows(params, rows):
-        w, carried = one_model(params, cfg, rows.shape[0])
+        w = one_model(params, cfg, rows.shape[0])[0]
+        carried = model.begin(
+            jnp.zeros((rows.shape[0],) + model.state(cfg), jnp.int8), (1, rows.shape[0], 1), cfg
+        )
         if model.window is not None:
-            seen = read_windows(w, rows.T.reshape(rows.shape[1], 1, -1, 1), cfg)[1]
+            seen = read_windows(w, carried, rows.T.reshape(rows.shape[1], 1, -1, 1), cfg)[2]
         else:
 
             def read(carried, tok_R):

@@ -33,11 +33,12 @@ class Args:
     rounds: int = 20  # timed calls of each, alternating
 
 
-def mingru_window(w: run.Perturbed, bytes_TxRxDxS, cfg: run.Config):
+def mingru_window(w: run.Perturbed, states, bytes_TxRxDxS, cfg: run.Config):
     """The minGRU over a window: each layer's products over every byte at once, then the state's
-    elementwise recurrence byte by byte (from zero, restarting at byte 0)."""
+    elementwise recurrence byte by byte (from the carried states, restarting at byte 0)."""
     x = run.embed(w, "emb", bytes_TxRxDxS)
     restart = (bytes_TxRxDxS == 0)[..., None]
+    carried = []
     for layer in range(cfg.n_layer):
         wf, wh = run.products(w, x, ("Wf", "Wh"), layer, gain="ln1")
         g = run.clipped_add(wf, w.params["bf"][layer]).astype(run.i32) + run.INT8_MAX
@@ -49,12 +50,13 @@ def mingru_window(w: run.Perturbed, bytes_TxRxDxS, cfg: run.Config):
             h = h + ((g * (c - h)) >> run.GATE_BITS)
             return h, h.astype(jnp.int8)
 
-        _, h = jax.lax.scan(recur, jnp.zeros(g.shape[1:], run.i32), (g, c, restart))
+        last, h = jax.lax.scan(recur, states[layer].astype(run.i32), (g, c, restart))
+        carried.append(last.astype(jnp.int8))
         x = run.join(h, x, cfg.residual_shift)
         (hidden,) = run.products(w, x, ("W1",), layer, gain="ln2")
         (x,) = run.products(w, hidden, ("W2",), layer, residual=x)
     (logits,) = run.products(w, x, ("head",), gain="ln_out")
-    return logits, {}
+    return logits, run.layer_carry(jnp.stack(carried), cfg), {}
 
 
 def main(args: Args) -> None:

@@ -180,14 +180,15 @@ def log2_of_sum(s: int) -> int:
     return ((e - 20) << 8) + round(math.log2(1 + (mantissa + 0.5) / 1024) * 256)
 
 
-def head_attention(q, k, v, allowed, width: int):
+def head_attention(q, k, v, allowed, width: int, bias=None):
     """One head of one byte: q (width,), k and v (U, width) of the bytes before it and itself,
-    allowed (U,) those of its document. Score = floor(q k * m / 2**16) clipped to int8, m =
-    round(2**16 * 16 log2(e) / (256 sqrt(width))): log2-units at q / 16; p = 2**(-(top - score +
-    log2 sum) / 16) at q / 2**7 (the log2 rounded to sixteenths), at most 127; floor(sum p v /
-    2**7)."""
+    allowed (U,) those of its document. Score = floor(q k * m / 2**16), less bias (U,) where given,
+    clipped to int8, m = round(2**16 * 16 log2(e) / (256 sqrt(width))): log2-units at q / 16; p =
+    2**(-(top - score + log2 sum) / 16) at q / 2**7 (the log2 rounded to sixteenths), at most 127;
+    floor(sum p v / 2**7)."""
     m = round(2**16 * 16 * math.log2(math.e) / (256 * math.sqrt(width)))
-    scores = [int(clip8((int(np.dot(q, k[u])) * m) >> 16)) for u in range(len(k))]
+    bias = [0] * len(k) if bias is None else bias
+    scores = [int(clip8(((int(np.dot(q, k[u])) * m) >> 16) - bias[u])) for u in range(len(k))]
     top = max(s for s, a in zip(scores, allowed, strict=True) if a)
     s = sum(exp2_sixteenths(top - c) for c, a in zip(scores, allowed, strict=True) if a)
     log2_s = log2_of_sum(s)
@@ -202,20 +203,36 @@ def head_attention(q, k, v, allowed, width: int):
     return clip8(out >> 7)
 
 
-def transformer_window(params, noise, sign, toks, sigma_shift, residual_shift, width):
-    """One member's logits (T, 256) for one window of bytes: byte and place embeddings; per block
-    causal attention within each document (a byte 0 starts one) joined through Wo, then an MLP
-    with a ReLU; the output layer norm and the head."""
+def distance_bias(head: int, heads: int, distance: int) -> int:
+    """A head's score lowered by floor(slope x distance) in sixteenths of a bit, slope = ALiBi's
+    2**(-8 (head + 1) / heads) nats a byte in bits, rounded to 1/256 of a sixteenth."""
+    slope = round(2 ** (-8 * (head + 1) / heads) * math.log2(math.e) * 2**12)
+    return (slope * distance) >> 8
+
+
+def transformer_row(params, noise, sign, toks, sigma_shift, residual_shift, width, window, **kw):
+    """One member reading toks a window at a time (windows of `window` bytes from the first):
+    (logits (T, 256), the carried state after them). Byte t of the window starting at byte s
+    attends the bytes j from s - C to t (C = carried) of its document (a byte 0 starts one), each
+    key and value as computed when j was read: the row computed layer by layer, as one long window
+    whose attention reaches C bytes before each window. Where j < 0 it reads the state it started
+    with, start = (flags (C,), keys (L, C, n), values (L, C, n)): the C bytes before toks, which t
+    may attend where flags[j] and no byte 0 is in toks[: t + 1]. No embedding of places: each
+    head's score is lowered by distance_bias(t - j). The state after: the last C bytes (of the
+    start's and toks), each with its flag (1 while no byte 0 follows it), key and value."""
+    carried = kw.get("carried", 0)
     nz = pair_noise(noise)
-    documents = np.cumsum([int(t) == 0 for t in toks])
-    xs = [
-        clip8(
-            embed(params["emb"], int(tok), nz("emb"), sign, sigma_shift)
-            + embed(params["pos"], place, nz("pos"), sign, sigma_shift)
-        )
-        for place, tok in enumerate(toks)
-    ]
-    layers = np.asarray(params["Wq"]).shape[0]
+    layers, n = np.asarray(params["Wq"]).shape[0], np.asarray(params["Wq"]).shape[-1]
+    start = kw.get("start") or (
+        np.zeros(carried, np.int64),
+        np.zeros((layers, carried, n), np.int64),
+        np.zeros((layers, carried, n), np.int64),
+    )
+    flags = [int(f) for f in start[0]]
+    documents = [0] * carried + list(np.cumsum([int(t) == 0 for t in toks]))
+    xs = [embed(params["emb"], int(tok), nz("emb"), sign, sigma_shift) for tok in toks]
+    heads = n // width
+    keys_after, values_after = [], []
     for layer in range(layers):
         p = {name: np.asarray(params[name])[layer] for name in ATTENTION_BLOCK}
 
@@ -227,41 +244,58 @@ def transformer_window(params, noise, sign, toks, sigma_shift, residual_shift, w
 
         a = [layer_norm(x, vec("ln1")) for x in xs]
         q, k, v = ([mm(x, name) for x in a] for name in ("Wq", "Wk", "Wv"))
+        k = [np.asarray(row, np.int64) for row in start[1][layer]] + k  # index j + C
+        v = [np.asarray(row, np.int64) for row in start[2][layer]] + v
         joined = []
         for t, x in enumerate(xs):
-            allowed = [documents[u] == documents[t] for u in range(t + 1)]
-            heads = [
-                head_attention(
-                    q[t][i : i + width],
-                    [row[i : i + width] for row in k[: t + 1]],
-                    [row[i : i + width] for row in v[: t + 1]],
-                    allowed,
-                    width,
+            reach = range((t // window) * window, t + carried + 1)  # j + C, from j = s - C
+
+            def allowed(j, t=t):
+                if j < carried:  # a byte of the start's
+                    return bool(flags[j]) and documents[t + carried] == 0
+                return documents[j] == documents[t + carried]
+
+            parts = []
+            for h in range(heads):
+                i = h * width
+                bias = [distance_bias(h, heads, t + carried - j) for j in reach]
+                parts.append(
+                    head_attention(
+                        q[t][i : i + width],
+                        [k[j][i : i + width] for j in reach],
+                        [v[j][i : i + width] for j in reach],
+                        [allowed(j) for j in reach],
+                        width,
+                        bias,
+                    )
                 )
-                for i in range(0, len(x), width)
-            ]
-            x = clip8(x + round_half_away(mm(np.concatenate(heads), "Wo"), residual_shift))
+            x = clip8(x + round_half_away(mm(np.concatenate(parts), "Wo"), residual_shift))
             hidden = np.maximum(mm(layer_norm(x, vec("ln2")), "W1"), 0)
             joined.append(clip8(x + round_half_away(mm(hidden, "W2"), residual_shift)))
         xs = joined
+        keys_after.append(k[len(k) - carried :])
+        values_after.append(v[len(v) - carried :])
     gain = perturbed_vector(params["ln_out"], nz("ln_out"), sign, sigma_shift)
-    return np.array(
+    logits = np.array(
         [matmul(layer_norm(x, gain), params["head"], nz("head"), sign, sigma_shift) for x in xs]
     )
-
-
-def transformer_fitness(
-    params, noise, sign, inputs, targets, sigma_shift, residual_shift, width, window
-):
-    """One member over its bytes read a window at a time: (sum of log2 p(target) at q / 256,
-    logits per byte)."""
-    every = np.concatenate(
-        [
-            transformer_window(
-                params, noise, sign, inputs[i : i + window], sigma_shift, residual_shift, width
-            )
-            for i in range(0, len(inputs), window)
-        ]
+    every = flags + [1] * len(toks)
+    last = documents[-1]
+    after = [
+        int(f and (documents[j] == last if j >= carried else last == 0))
+        for j, f in enumerate(every)
+    ]
+    state = (
+        np.array(after[len(after) - carried :], np.int64),
+        np.array(keys_after, np.int64).reshape(layers, carried, n),
+        np.array(values_after, np.int64).reshape(layers, carried, n),
     )
+    return logits, state
+
+
+def transformer_fitness(params, noise, sign, inputs, targets, *settings, **kw):
+    """One member over its bytes (transformer_row's settings): (sum of log2 p(target) at q / 256,
+    logits per byte, the carried state after them)."""
+    every, state = transformer_row(params, noise, sign, inputs, *settings, **kw)
     total = sum(log2_softmax(logits, int(t)) for logits, t in zip(every, targets, strict=True))
-    return total, every
+    return total, every, state

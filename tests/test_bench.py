@@ -96,17 +96,19 @@ def integer_only_donated_and_bounded(compiled, args, cfg):
         range(carried)
     )
     # temporaries: one segment's noise at a time (built where it is used: 6 segments' at once would
-    # be 16 times this noise), in words, entries and the layouts the kernels read, and the members'
-    # activations, int32, a few times over
+    # be 16 times this noise), in words, entries and the layouts the kernels read, the members'
+    # activations, int32, and their carried states (the transformer's keys and values, joined to
+    # the window's and deepened to DOT_DEPTH), a few times over
     pieces = sum(np.prod(shape) for _, shape, _ in run.noise_pieces(cfg))
     noise = run.noise_pairs(cfg) // cfg.segments * cfg.replicas * pieces
     activations = cfg.population * cfg.replicas * cfg.n_layer * 4 * cfg.n_embd * 4
+    states = cfg.population * cfg.replicas * np.prod(run.carried_state(cfg))
     temporaries = compiled.memory_analysis().temp_size_in_bytes
     print(
         f"temporaries {temporaries:,} B; a segment's noise {noise:,} B, "
-        f"activations {activations:,} B"
+        f"activations {activations:,} B, states {states:,} B"
     )
-    assert temporaries <= 4 * noise + 4 * activations
+    assert temporaries <= 4 * noise + 4 * activations + 4 * states
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

@@ -91,9 +91,9 @@ def validations(runs, metric: str = "bits_per_byte") -> tuple:
 
 
 def test_a_window_models_states_spread_with_the_members_on_one_device_and_two_processes(tmp_path):
-    """The transformer, whose states hold nothing, with --segments 2: each device evaluates its
-    members' slice of every segment's noise (4 devices in one process, the sharded program of the
-    2 processes without them, are not run)."""
+    """The transformer, whose states are the keys and values it carries, with --segments 2: each
+    device evaluates its members' slice of every segment's noise (4 devices in one process, the
+    sharded program of the 2 processes without them, are not run)."""
     model = ["--model", "transformer", "--head_width", "4"]
     flags = [*SHARED_NOISE, "--segments", "2", "--num_epochs", "3", "--validate_every", "2", *model]
     procs = {"two": two_processes(flags, tmp_path / "two")}  # started first, to run beside "one"

@@ -324,9 +324,10 @@ def model_problems(name: str, monkeypatch) -> list[str]:
         """Every activation of members (1, 2, S) reading the bytes, as the forward reads them."""
         members = (1, 2, 1 if noise is None else 2)  # (R, D, S)
         w = run.perturbed(params, noise, run.make_sides(0, members[2]), cfg)
-        if model.window is not None:
-            return [model.window(w, tokens, cfg)[1]]
         states = jnp.zeros((math.prod(members), *model.state(cfg)), jnp.int8)
+        if model.window is not None:  # twice: the second window attends the first's, carried
+            _, carried, first = model.window(w, model.begin(states, members, cfg), tokens, cfg)
+            return [first, model.window(w, carried, tokens, cfg)[2]]
 
         def read(carried, byte):
             _, carried, seen = model.step(w, carried, byte, cfg)

@@ -90,15 +90,31 @@ def test_population_fitness_equals_the_reference_for_every_member(
     assert len(set(fitness.tolist())) == cfg.population  # every member saw a different model
 
 
+def carried_start(rows, cfg):
+    """A member's transformer state (C, 1 + 2 L n) as the reference starts from: (flags (C,), keys
+    (L, C, n), values (L, C, n))."""
+    kv = np.asarray(rows[:, 1:], np.int64).reshape(len(rows), cfg.n_layer, 2, cfg.n_embd)
+    return np.asarray(rows[:, 0], np.int64), kv[:, :, 0].swapaxes(0, 1), kv[:, :, 1].swapaxes(0, 1)
+
+
 @pytest.mark.parametrize(
     "model, model_flags, rank, residual_shift",
-    [("mingru", {}, 2, 1), ("transformer", {"head_width": 4}, 1, 0), ("transformer", {}, 0, 2)],
+    [
+        ("mingru", {}, 2, 1),
+        ("transformer", {"head_width": 4, "carried": 0}, 1, 0),
+        ("transformer", {}, 0, 2),
+        ("transformer", {"head_width": 4, "carried": 4}, 1, 0),
+        ("transformer", {"carried": 9}, 2, 1),
+    ],
 )
 def test_the_other_models_fitness_equals_the_reference_for_every_member(
     model, model_flags, rank, residual_shift
 ):
     """The minGRU whose gates read the input alone, and the transformer reading 11 bytes in
-    windows of 6 (its validation's cut, as 'read_windows' makes it; a separator inside one)."""
+    windows of 6 (its validation's cut, as 'read_windows' makes it; a separator inside one), from
+    a random carried state (keys, values and flags) where it carries one: every member's fitness
+    and state after equal the reference's, which reads the row as one long window whose attention
+    reaches --carried bytes before each window."""
     args = flags.replace(
         run.Args(),
         model=model,
@@ -114,14 +130,15 @@ def test_the_other_models_fitness_equals_the_reference_for_every_member(
         **model_flags,
     )
     cfg = run.make_config(args)
-    rng = np.random.default_rng(rank + 7)
+    rng = np.random.default_rng(rank + 7 + 10 * residual_shift)
     params = random_params(cfg, rng)
     members, length = cfg.population, 11 if model == "transformer" else 6
-    states = np.zeros((members,) + run.MODELS[model].state(cfg), np.int8)
-    if model == "mingru":
-        states = rng.integers(-127, 128, states.shape).astype(np.int8)
+    states = rng.integers(-127, 128, (members,) + run.MODELS[model].state(cfg)).astype(np.int8)
+    if model == "transformer" and cfg.model_flags.carried:
+        states[..., 0] = rng.integers(0, 2, states.shape[:2])  # the flags: 1 attendable
     tokens = rng.integers(0, 256, (members, length + 1)).astype(np.uint8)
     tokens[:, 3] = 0
+    tokens[: members // 2, 3] = 7  # half the members read no separator: their start stays seen
     noise = generation_noise(cfg, args.seed, jnp.int32(5))
     fitness, final = fitness_of_one_model(
         params, noise, states, tokens[:, :-1], tokens[:, 1:], args.sigma_shift, cfg
@@ -131,9 +148,22 @@ def test_the_other_models_fitness_equals_the_reference_for_every_member(
         sign, noise_of = 1 - 2 * (member % 2), pair(noise, member // 2)
         inputs, targets = tokens[member, :-1], tokens[member, 1:]
         if model == "transformer":
-            want, _ = reference.transformer_fitness(
-                params, noise_of, sign, inputs, targets, 2, residual_shift, width, 6
+            carried = cfg.model_flags.carried
+            settings = (2, residual_shift, width, 6)
+            start = carried_start(states[member], cfg) if carried else None
+            want, _, after = reference.transformer_fitness(
+                params,
+                noise_of,
+                sign,
+                inputs,
+                targets,
+                *settings,
+                carried=carried,
+                start=start,
             )
+            if carried:
+                for got, expected in zip(carried_start(final[member], cfg), after, strict=True):
+                    np.testing.assert_array_equal(got, expected, err_msg=str(member))
         else:
             want, h, _ = reference.member_fitness(
                 params, noise_of, sign, states[member], inputs, targets, 2, residual_shift
@@ -254,3 +284,47 @@ def test_a_step_with_segments_equals_the_reference_segment_by_segment(shared, fa
     assert run.null_std(cfg) == run.null_std(one) and run.null_std(cfg) != run.null_std(
         cfg._replace(segments=1)
     )
+
+
+def carrying(**changes):
+    """A transformer 16D-2L of 8 members reading windows of 6 bytes, carrying --carried 8."""
+    given = dict(n_embd=16, n_layer=2, parallel_generations_per_gpu=8, group_size=2)
+    given.update(tokens_per_update=6, segments=1, head_width=4, carried=8)
+    return run.make_config(flags.replace(run.Args(), model="transformer", **given | changes))
+
+
+def test_a_byte_0_hides_every_carried_key():
+    """Members whose window starts with byte 0 (a document's start) score the same from random
+    carried keys, values and flags as from none; without the byte 0 the carried ones count."""
+    cfg = carrying()
+    rng = np.random.default_rng(11)
+    params = random_params(cfg, rng)
+    noise = generation_noise(cfg, 0, jnp.int32(1))
+    tokens = rng.integers(1, 256, (cfg.population, 7)).astype(np.uint8)
+    tokens[:, 0] = 0
+    empty = np.zeros((cfg.population,) + run.carried_state(cfg), np.int8)
+    full = rng.integers(-127, 128, empty.shape).astype(np.int8)
+    full[..., 0] = 1
+
+    def fitness(states, tokens):
+        return fitness_of_one_model(params, noise, states, tokens[:, :-1], tokens[:, 1:], 2, cfg)
+
+    np.testing.assert_array_equal(fitness(full, tokens)[0], fitness(empty, tokens)[0])
+    tokens[:, 0] = 9
+    assert np.all(fitness(full, tokens)[0] != fitness(empty, tokens)[0])
+
+
+def test_a_window_model_read_a_byte_a_call_gives_its_windows_logits():
+    """window_step (write's and --sample's reading) from a document's byte 0 gives each byte the
+    logits read_windows gives it reading the row in windows, carrying keys and values across
+    them."""
+    cfg = carrying()
+    rng = np.random.default_rng(5)
+    params = random_params(cfg, rng)
+    row = rng.integers(1, 256, (1, 23)).astype(np.uint8)
+    row[0, 0] = 0
+    want = np.asarray(run.activations(params, row, cfg)["logits"])[0]
+    read, carried = run.make_reader(cfg), run.one_model(params, cfg, 1)[1]
+    for at, byte in enumerate(row[0]):
+        carried, logits = read(params, carried, np.array([byte], np.uint8))
+        np.testing.assert_array_equal(np.asarray(logits), want[at], err_msg=str(at))

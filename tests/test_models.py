@@ -49,7 +49,8 @@ def test_each_model_trains_saves_resumes_samples_and_shows_its_activations(tmp_p
 
 
 def test_a_killed_transformer_run_resumes_exactly(tmp_path, capsys):
-    """Nothing carried from window to window: the parameters and the rule's state are the run."""
+    """The parameters, the rule's state and the keys and values each member carries are the
+    run."""
     given = [*MODELS["transformer"], "--num_epochs", "150", "--save_every", "3"]
     train(capsys, tmp_path / "whole", *given)
     kill_once_saved(start(*given, runs=tmp_path / "b"), tmp_path / "b", 6)
@@ -91,3 +92,7 @@ def test_a_head_width_that_does_not_divide_the_width_is_refused_in_one_line():
     too_long = ["--model", "transformer", "--tokens_per_update", "4000", "--segments", "1"]
     with pytest.raises(run.UserError, match="attention's sum of 2\\*\\*\\(-d/16\\)"):
         run.check_args(run.parse_args(too_long))
+    carried = ["--model", "transformer", "--carried", "2040"]  # 2,050 bytes with its 10
+    with pytest.raises(run.UserError, match="use a smaller --carried or --context"):
+        run.check_args(run.parse_args(carried))
+    run.check_args(run.parse_args(["--model", "transformer", "--carried", "2037"]))

@@ -102,21 +102,21 @@ def pair_parameters(cfg):
     }
 
 
-def pair_window(w, bytes_TxRxDxS, cfg):
+def pair_window(w, carried, bytes_TxRxDxS, cfg):
     """A window's logits: byte t's embedding plus byte t - 1's other embedding (none for the
-    window's first), layer-normed, through the head."""
+    window's first), layer-normed, through the head; nothing carried."""
     before = run.embed(w, "before", bytes_TxRxDxS)
     before = jnp.concatenate([jnp.zeros_like(before[:1]), before[:-1]])
     x = run.clipped_add(run.embed(w, "emb", bytes_TxRxDxS), before)
     (logits,) = run.products(w, x, ("head",), gain="ln_out")
-    return logits, {"embedding": x, "logits": logits}
+    return logits, carried, {"embedding": x, "logits": logits}
 
 
 PAIR = run.Model(
     pair_parameters,
     lambda cfg: (0,),  # nothing carried
-    None,
-    None,
+    lambda states, layout, cfg: states.reshape(layout + (0,)),
+    lambda carried, cfg: carried.reshape(-1, 0),
     step=None,
     window=pair_window,
     groups=(("head",),),
