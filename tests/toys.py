@@ -3,6 +3,7 @@ idea" shows, each one entry of a table beside its peers (its own flags beside it
 tests/test_ideas.py adds them and trains, saves and resumes with them; tests/test_entries.py checks
 their facts with run.py's own entries'."""
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated
@@ -116,7 +117,7 @@ PAIR = run.Model(
     pair_parameters,
     lambda cfg: (0,),  # nothing carried
     lambda states, layout, cfg: states.reshape(layout + (0,)),
-    lambda carried, cfg: carried.reshape(-1, 0),
+    lambda carried, cfg: carried.reshape(math.prod(carried.shape[:3]), 0),  # (R, D, S, 0)
     step=None,
     window=pair_window,
     groups=(("head",),),
