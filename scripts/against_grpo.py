@@ -96,9 +96,22 @@ def train(script: str, flags: list[str], folder: Path, done: str) -> None:
         raise SystemExit(f"error: the run into {folder} failed (its command above)")
 
 
+def total(folder: Path, clock: str = "elapsed") -> float:
+    """A run's last reading of a compare.py clock: its training seconds (compilation and validation
+    excluded) or its completions scored."""
+    counted = compare.read_run(folder)[clock]
+    return counted[max(counted)]
+
+
 def seconds_of(folder: Path) -> float:
-    """Training seconds of a run (compilation and validation excluded, as compare.py counts)."""
-    return compare.read_run(folder)["elapsed"][max(compare.read_run(folder)["elapsed"])]
+    return total(folder)
+
+
+def held_out_at_end(folder: Path, task: str, args: Args, length: int, mesh) -> dict:
+    """val/reward and val/accuracy of a run.py run's newest checkpoint (scripts/rewards.py's)."""
+    newest = folder / "checkpoints" / (folder / "checkpoints" / "LATEST").read_text().strip()
+    flags = rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}")
+    return rewards.held_out(newest, flags, mesh)
 
 
 def last_validation(folder: Path) -> dict:
@@ -198,25 +211,10 @@ def compare_task(task: str, args: Args, mesh) -> tuple[str, dict]:
             folder = base / f"{name}-seed{seed}"
             train(script, [*given, *own, *flags, "--run_name", folder.name], folder, done)
         folders = {name: base / f"{name}-seed{seed}" for name in runs} | {"es": es}
-        scored = min(
-            compare.read_run(folders[k])["completions"][
-                max(compare.read_run(folders[k])["completions"])
-            ]
-            for k in ("es", "grpo")
-        )
+        scored = min(total(folders[k], "completions") for k in ("es", "grpo"))
         limit = seconds_of(es)
-        es_start = rewards.held_out(
-            pre / "checkpoints" / (pre / "checkpoints" / "LATEST").read_text().strip(),
-            rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}"),
-            mesh,
-        )
-        es_ll = rewards.held_out(
-            folders["es-likelihood"]
-            / "checkpoints"
-            / (folders["es-likelihood"] / "checkpoints" / "LATEST").read_text().strip(),
-            rewards.Args(task, args.reward_flags, reward=f"--completion_bytes {length}"),
-            mesh,
-        )
+        es_start = held_out_at_end(pre, task, args, length, mesh)
+        es_ll = held_out_at_end(folders["es-likelihood"], task, args, length, mesh)
         adam_start = last_validation(adam)
         es_begins = (es_start["val/reward"], es_start["val/accuracy"])
         adam_begins = (adam_start["val/reward"], adam_start["val/accuracy"])
