@@ -508,6 +508,8 @@ def pallas_costs(jaxpr) -> dict:
     found = {}
     for eqn in pallas_calls(jaxpr):
         cost = eqn.params["cost_estimate"]
+        if cost is None:  # Mosaic GPU's plgpu.kernel declares none: costed as 0
+            continue
         found[call_signature(eqn)] = (cost.bytes_accessed, cost.flops // 2)
     return found
 
@@ -572,11 +574,29 @@ def compile_target(args: Args, part: str, options: dict | None = None) -> Target
     tick = time.time()
     with without_compilation_cache(), tempfile.TemporaryDirectory() as dump:
         traced = make_step(cfg, mesh, part).trace(*abstract_inputs(args, cfg, mesh))
-        compiled = traced.lower().compile({"xla_dump_to": dump, **(options or {})})
+        with mosaic_dumps_to(dump):
+            compiled = traced.lower().compile({"xla_dump_to": dump, **(options or {})})
         launched = dumped_launches(Path(dump), compiled.as_text())
         code = dumped_mma_code(Path(dump))
     kernels = hlo.gpu_kernels(compiled.as_text(), pallas_costs(traced.jaxpr))
     return Target(compiled, kernels, cfg, time.time() - tick, launched, code)
+
+
+@contextmanager
+def mosaic_dumps_to(dump: str):
+    """Mosaic GPU's compiler writes each kernel's PTX into `dump` (beside XLA's) while in this
+    context: its environment variables, read as it compiles, restored after."""
+    wanted = {"MOSAIC_GPU_DUMP_TO": dump, "MOSAIC_GPU_DUMP_PTX": "1"}
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def dumped_mma_code(dump: Path) -> dict[str, hlo.MmaCode]:
@@ -598,7 +618,8 @@ def mma_text(code: dict[str, hlo.MmaCode]) -> str:
     said = []
     for name, c in code.items():
         waits = (
-            f"{c.waited_at_once} of {c.groups} wgmma groups waited for at once"
+            f"{c.waited_at_once} of {c.groups} wgmma groups waited for at once, "
+            f"{c.in_flight} left in flight"
             if c.kind == "wgmma"
             else "each synchronous"
         )

@@ -596,8 +596,14 @@ def join(branch, x, shift: int):
     return clipped_add(x, round_shift(branch, shift) if shift else branch)
 
 
-# what the GPU kernel computes in each tile: these functions, so that it and XLA agree bit for bit
-ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, noise_term, clipped_add)
+def rank1_noise_term(xb, a, sign, shift):
+    """noise_term at rank 1, its one-term sum left out (the GPU kernels' tiles are 2-D): xb
+    (..., 1) or (..., m) int32, a (..., m) int8."""
+    return (a * (sign * (xb >> NOISE_FRAC))) >> shift
+
+
+# what the GPU kernels compute in each tile: these functions, so that they and XLA agree bit for bit
+ARITHMETIC = kernel.Arithmetic(rescale, norm_scale, normalise, rank1_noise_term, clipped_add)
 
 
 class Perturbed(NamedTuple):
@@ -673,7 +679,7 @@ def products(w: Perturbed, x, names: tuple[str, ...], layer=None, gain: str = ""
     pairs, m = repeats * distinct, w.params[names[0]].shape[-2]
     operands = w.kernel.get(names) if w.kernel else None
     at = (lambda p: p) if layer is None else (lambda p: jax.tree.map(lambda v: v[layer], p))
-    if operands is None or not kernel.takes(pairs, distinct, m, n):
+    if operands is None or not kernel.takes(pairs, distinct, m, n, w.options.backend):
         v = layer_norm(x, at(w.params[gain])) if gain else x
         noise = (lambda k: None) if w.noise is None else (lambda k: at(w.noise[k]))
         outs = [matmul(v, at(w.params[k]), noise(k), w.sides) for k in names]
@@ -2920,8 +2926,14 @@ PRODUCT_CANDIDATES = {
         "pallas",
         kernel.Options(normalises=False, sums_noise=False),
     ),
+    # egg/mosaic.py's: the products alone on Mosaic GPU (TMA-staged, a wgmma group in flight)
+    "the Mosaic GPU kernel": (
+        "pallas",
+        kernel.Options(normalises=False, sums_noise=False, backend="mosaic"),
+    ),
     "XLA's products": ("xla", kernel.DEFAULT),
 }
+MOSAIC = "the Mosaic GPU kernel"  # --kernels pallas where Triton's cannot run
 PRODUCTS_KEPT = "product_choices.json"  # the choices, beside the compilation cache (autotune.py)
 
 
@@ -2970,10 +2982,11 @@ def fastest_products(
     kept: Path | None,
     clock=time.perf_counter,
     log=print,
+    names: tuple[str, ...] = tuple(PRODUCT_CANDIDATES),
 ) -> str:
-    """The name of the fastest of PRODUCT_CANDIDATES for cfg's products on `device`: each one's
-    probe timed there (egg/autotune.py), or as kept in the file `kept` for this device kind, JAX
-    version and probe. Says which in one line (`log`)."""
+    """The name of the fastest of PRODUCT_CANDIDATES `names` for cfg's products on `device`: each
+    one's probe timed there (egg/autotune.py), or as kept in the file `kept` for this device kind,
+    JAX version and probe. Says which in one line (`log`)."""
     probe = product_probe(cfg)
     inputs = probe_inputs(probe, replicas, device)
 
@@ -2982,39 +2995,47 @@ def fastest_products(
         return lambda: jax.block_until_ready(call(*inputs))
 
     key = f"{device.device_kind} | JAX {jax.__version__} | {probe}"
-    builds = {name: partial(build, name) for name in PRODUCT_CANDIDATES}
+    builds = {name: partial(build, name) for name in names}
     return autotune.choose(key, builds, kept, clock, log=log)
 
 
 def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
     """Join the other processes and start the mesh: (the flags as used, the mesh, the run's
-    Config). On a GPU: no CPU split, and XLA's products (--kernels xla) where the GPU kernel cannot
-    run, said in one line (refused with --kernels pallas); with --kernels auto, the fastest of
-    PRODUCT_CANDIDATES, chosen by the first process and taken by every other."""
+    Config). On a GPU: no CPU split; the candidates of PRODUCT_CANDIDATES whose Pallas backend
+    compiles here (kernel.fault: Triton's, deprecated, and Mosaic GPU's); where Triton's cannot,
+    --kernels pallas takes the Mosaic kernel, and where neither can, XLA's products (--kernels
+    xla), said in one line (refused with --kernels pallas); with --kernels auto, the fastest
+    candidate, chosen by the first process and taken by every other."""
     cluster.init_distributed(args.cluster)
     mesh = cluster.population_mesh(POP)
     if mesh.devices.flat[0].platform == "cpu":
         return args, mesh, mesh_config(args, mesh)
     args = replace(args, cpu_devices=1)
-    fault = ""
-    if mesh_config(args, mesh).kernels == "pallas":
-        fault = kernel.fault(mesh.devices.flat[0], ARITHMETIC)
-    if fault and args.model.kernels == "pallas":
-        raise UserError(f"--kernels pallas: {fault}; use --kernels xla or auto")
-    if fault:
-        args = replace(args, kernels="xla")
-        if jax.process_index() == 0:
-            print(f"products by XLA, the same bits: {fault}")
     cfg = mesh_config(args, mesh)
-    if args.model.kernels != "auto" or cfg.kernels != "pallas":
+    if cfg.kernels != "pallas":
         return args, mesh, cfg
+    device, platform = mesh.devices.flat[0], mesh.devices.flat[0].platform
+    faults = {backend: kernel.fault(device, ARITHMETIC, backend) for backend in kernel.BACKENDS}
+    names = [n for n, (e, o) in PRODUCT_CANDIDATES.items() if e == "xla" or not faults[o.backend]]
+    said = "; ".join(fault for fault in faults.values() if fault)
+    kernels_run = [n for n in names if PRODUCT_CANDIDATES[n][0] == "pallas"]
+    if not kernels_run and args.model.kernels == "pallas":
+        raise UserError(f"--kernels pallas: {said}; use --kernels xla or auto")
+    if said and jax.process_index() == 0:  # the one line: who computes the products instead
+        instead = "XLA" if not kernels_run else "the Mosaic GPU kernel" if faults["triton"] else ""
+        print(f"products by {instead}, the same bits: {said}" if instead else said)
+    if not kernels_run:
+        args = replace(args, kernels="xla")
+        return args, mesh, mesh_config(args, mesh)
+    if args.model.kernels != "auto":  # --kernels pallas: Triton's kernel, else Mosaic GPU's
+        return args, mesh, cfg if not faults["triton"] else as_candidate(cfg, MOSAIC, platform)
     cache = jax.config.jax_compilation_cache_dir
     kept = Path(cache).parent / PRODUCTS_KEPT if cache else None
-    names = list(PRODUCT_CANDIDATES)
     chosen = np.int32(0)
     if jax.process_index() == 0:
         device = jax.local_devices()[0]
-        chosen = np.int32(names.index(fastest_products(cfg, device, replicas_of(args), kept)))
+        best = fastest_products(cfg, device, replicas_of(args), kept, names=tuple(names))
+        chosen = np.int32(names.index(best))
     if jax.process_count() > 1:  # a sync point: every process compiles the same program
         chosen = multihost_utils.broadcast_one_to_all(chosen)
     return args, mesh, as_candidate(cfg, names[int(chosen)], mesh.devices.flat[0].platform)

@@ -18,7 +18,8 @@ flags are a group of its own (a Flags dataclass), which run.Args gathers under t
     sampling.py     text drawn from a model's log2-probabilities, byte by byte
     command.py      the command line: flags as given, retired variants, the checks, how it ends
     kernel.py       the GPU product kernel (Pallas): it tiles the products run.py's arithmetic
-                    defines
+                    defines; on Pallas's Triton backend, or (through it) Mosaic GPU's:
+    mosaic.py       the products alone on Mosaic GPU: TMA-staged chunks, a wgmma group in flight
     autotune.py     --kernels auto: the fastest of the candidates computing the products, timed
                     on the device, kept by device kind, JAX version and shapes
     hlo.py          a compiled program's text read once: collectives, kernels and their cost

@@ -32,6 +32,7 @@ NO_KERNEL = {
 }  # fmt: skip
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel compiled for a GPU
+MOSAIC = 'custom_call_target="mosaic_gpu'  # one compiled by Pallas's Mosaic GPU backend
 CUBLAS = 'custom_call_target="__cublas'  # a product XLA leaves to cuBLAS (full rank's: run.py)
 
 
@@ -267,11 +268,12 @@ def gpu_kernels(hlo: str, pallas_costs: dict | None = None) -> list[Kernel]:
             elif x.opcode == "fusion":
                 kind, size, macs, gemm = fusion_cost(found[called(x, "calls")], x.shapes)
                 kernels.append(Kernel(x.name, kind, runs, size, macs, gemm))
-            elif x.opcode == "custom-call" and TRITON in x.attributes:
+            elif x.opcode == "custom-call" and (TRITON in x.attributes or MOSAIC in x.attributes):
                 ins = [shapes[o][0] for o in x.operands]
                 key = signature([dims for _, dims in ins], [dims for _, dims in x.shapes])
                 size, macs = (pallas_costs or {}).get(key, (0, 0))
-                gemm = f"{' x '.join(map(shape_text, ins[1:3]))} -> {shape_text(x.shapes[0])}"
+                pair = ins[1:3] if TRITON in x.attributes else ins[:2]  # x, W after any scalars
+                gemm = f"{' x '.join(map(shape_text, pair))} -> {shape_text(x.shapes[0])}"
                 kernels.append(Kernel(x.name, "pallas", runs, size, macs, gemm))
             elif is_product(x):
                 lhs, rhs = (shapes[o][0] for o in x.operands[:2])
@@ -372,7 +374,8 @@ class MmaCode(NamedTuple):
     "wgmma", Hopper's asynchronous warpgroup MMA, or "mma.sync"; "" where it has none), the integer
     instructions beside them, and of the wgmma groups committed, those waited for (wait_group 0)
     before any instruction but register moves: the tensor cores then overlap none of the integer
-    work (ptxas may add waits of its own; it says so with -v)."""
+    work (ptxas may add waits of its own; it says so with -v); and the most wgmma groups a wait
+    leaves in flight (wgmma.wait_group N: N, 0 where each is waited for)."""
 
     kind: str
     shape: str  # the MMA's shape, e.g. m64n128k32
@@ -380,11 +383,12 @@ class MmaCode(NamedTuple):
     integer: int
     groups: int
     waited_at_once: int
+    in_flight: int = 0
 
 
 def ptx_entries(ptx: str) -> dict[str, list[str]]:
-    """{kernel name: its instructions, one a line (comments and braces left out)} of a PTX
-    module."""
+    """{kernel name: its instructions, one a line (comments, braces and declarations left out; a
+    line of several, as Mosaic GPU writes its inline assembly, split)} of a PTX module."""
     entries, name = {}, None
     for line in ptx.splitlines():
         found = PTX_ENTRY.search(line)
@@ -393,8 +397,13 @@ def ptx_entries(ptx: str) -> dict[str, list[str]]:
             entries[name] = []
             continue
         code = line.split("//")[0].strip()
-        if name is not None and code and code not in ("{", "}"):
-            entries[name].append(code)
+        if name is None or not code:
+            continue
+        for statement in code.split(";") if ";" in code else [code]:
+            statement = " ".join(statement.split())
+            statement = statement[1:].strip() if statement.startswith("{") else statement
+            if statement not in ("", "}") and not statement.startswith(".reg"):
+                entries[name].append(statement + (";" if ";" in code else ""))
     return entries
 
 
@@ -432,4 +441,6 @@ def mma_code(lines: list[str]) -> MmaCode:
 
     waited = sum(at_once(i) for i in commits)
     integer = sum(line.split()[0].split(".")[0] in PTX_INTEGER for line in instructions)
-    return MmaCode(kind, shape, len(mmas), integer, len(commits), waited)
+    waits = [re.search(r"wait_group\S*\s+(\d+)", x) for x in instructions if "wgmma.wait" in x]
+    in_flight = max((int(w.group(1)) for w in waits if w), default=0)
+    return MmaCode(kind, shape, len(mmas), integer, len(commits), waited, in_flight)

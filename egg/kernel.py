@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from egg import mosaic
+
 i32 = jnp.int32
 TILE_ROWS, TILE_COLUMNS, TILE_DEPTH = 64, 128, 64  # at most: pairs, outputs and inputs of a tile
 SMS = 132  # an H100 SXM's streaming multiprocessors
@@ -44,13 +46,19 @@ class Options(NamedTuple):
     noise's inner product, itself, chunk by chunk beside its MMAs (else its caller gives each row's,
     summed once a row and matrix before it, and the kernel's loop holds its MMAs alone); the tile
     rule's least programs a streaming multiprocessor (SM) and widest tile of outputs (tiles); a
-    program's warps."""
+    program's warps; the Pallas backend that compiles it: "triton", this file's kernel, or
+    "mosaic", egg/mosaic.py's (Mosaic GPU, which computes the products alone: it takes neither
+    normalises nor sums_noise)."""
 
     normalises: bool = True
     sums_noise: bool = True
     programs_per_sm: int = PROGRAMS_PER_SM
     columns: int = TILE_COLUMNS
     warps: int = WARPS
+    backend: str = "triton"
+
+
+BACKENDS = ("triton", "mosaic")
 
 
 DEFAULT = Options()  # the options the kernel computes with unless its caller says others
@@ -64,16 +72,18 @@ class Arithmetic(NamedTuple):
     normalise: (
         Callable  # (x int8, gain int8, scale (rows, 1) int32) -> the layer norm's int8 output
     )
-    noise_term: (
-        Callable  # (x B (rows, 1) int32, A (rows, m, 1) int8, sign, shift) -> (rows, m) int32
-    )
+    # the rank-1 noise term of a tile: (x B (rows, 1) or (rows, m) int32, A (rows, m) int8, sign,
+    # shift) -> (rows, m) int32
+    noise_term: Callable
     add: Callable  # (out int8, residual int8) -> int8: how out joins the residual, saturating
 
 
-def takes(pairs: int, distinct: int, m: int, n: int) -> bool:
+def takes(pairs: int, distinct: int, m: int, n: int, backend: str = "triton") -> bool:
     """Whether the kernel takes a product of these shapes: tiles of powers of two >= 16 (Triton's
     int8 dots), at least TILE_DEPTH_MIN inputs deep, whole tiles of pairs within the distinct
-    ones."""
+    ones; on Mosaic GPU, egg/mosaic.py's."""
+    if backend == "mosaic":
+        return mosaic.takes(pairs, distinct, m, n)
     shaped = all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) and n >= TILE_DEPTH_MIN
     return shaped and distinct % 16 == 0 and pairs % distinct == 0
 
@@ -184,7 +194,7 @@ def int8_product(
     if summed:  # its rows' x B, summed before the kernel
         xb = b_ref[0, 0, :]
     if noisy:  # this side's rank-1 term
-        acc = acc + arithmetic.noise_term(xb[:, None], a_ref[0, at][..., None], sign, shift_ref[0])
+        acc = acc + arithmetic.noise_term(xb[:, None], a_ref[0, at], sign, shift_ref[0])
     out = arithmetic.rescale(acc, n)
     out_ref[0] = out if not added else arithmetic.add(out, residual_ref[...])
 
@@ -284,6 +294,15 @@ def product(
     groups, _, m, n = w.shape
     sides = x.shape[1] // n
     noisy = a is not None
+    if options.backend == "mosaic":
+        if gain is not None or (noisy and xb is None):
+            raise ValueError(
+                "the Mosaic GPU kernel computes the products alone: no gain, x B given"
+            )
+        least = -(-options.programs_per_sm * SMS // replicas)  # one replica's share
+        chosen = tile or mosaic.tiles(least, groups, pairs, m, n, sides)
+        arguments = (x, w, a, xb, shift, layer, residual)
+        return mosaic.product(*arguments, interpret=interpret, arithmetic=arithmetic, tile=chosen)
     distinct = a.shape[2] if noisy else pairs
     rows, columns, depth = tile or tiles(replicas, groups, pairs, distinct, m, n, sides, options)
     column_tiles = m // columns
@@ -317,15 +336,18 @@ def product(
     )(*operands)
 
 
-def fault(device, arithmetic: Arithmetic) -> str:
-    """Why the kernel cannot run on this GPU under this JAX ("" where it can), from one tile's
-    program compiled (Pallas's Triton backend, which it uses, is deprecated since JAX 0.11)."""
+def fault(device, arithmetic: Arithmetic, backend: str = "triton") -> str:
+    """Why the kernel of this Pallas backend cannot run on this GPU under this JAX ("" where it
+    can), from one tile's program compiled (Pallas's Triton backend is deprecated since JAX 0.11;
+    Mosaic GPU is its successor)."""
     from egg.hlo import compile_fault
 
     def one_tile(x, w):
-        options = dict(interpret=False, arithmetic=arithmetic)
-        return product(x, w, None, None, None, 0, None, None, **options)
+        options = dict(interpret=False, arithmetic=arithmetic, options=Options(backend=backend))
+        return product(x, w, None, None, 0, 0, None, None, **options)
 
-    shapes = (((16, 16), jnp.int8), ((1, 1, 16, 16), jnp.int8))
+    side = 64 if backend == "mosaic" else 16
+    shapes = (((side, side), jnp.int8), ((1, 1, side, side), jnp.int8))
     found = compile_fault(one_tile, device, *shapes)
-    return found and f"the GPU product kernel cannot run under JAX {jax.__version__} ({found})"
+    which = "Mosaic GPU" if backend == "mosaic" else "Triton"
+    return found and f"the {which} product kernel cannot run under JAX {jax.__version__} ({found})"

@@ -11,9 +11,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="egg-jax-tests-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,10 +29,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # third less time on the compile-bound tests) and XLA:CPU's older fusion code generator (a 16D-1L
 # step compiles in 3.5-4.4 s, not 5.1-6.0); integer results do not depend on either (the pinned
 # hashes).
-# The second is XLA:CPU's alone: the CUDA plugin stops the process at a flag it does not know
-# (scripts/gpu_check.py runs these tests with JAX_PLATFORMS=cuda)
+# The second is XLA:CPU's alone, and gone from JAX 0.12's XLA: the CUDA plugin, and XLA from 0.12
+# on, stop the process at a flag they do not know (scripts/gpu_check.py runs these tests with
+# JAX_PLATFORMS=cuda)
+OLD_FUSION = Version(metadata.version("jaxlib")) < Version("0.12")
 os.environ["EGG_TEST_FAST_COMPILE"] = "--xla_backend_optimization_level=0" + (
-    " --xla_cpu_use_fusion_emitters=false" if os.environ["JAX_PLATFORMS"] == "cpu" else ""
+    " --xla_cpu_use_fusion_emitters=false"
+    if os.environ["JAX_PLATFORMS"] == "cpu" and OLD_FUSION
+    else ""
 )
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + os.environ["EGG_TEST_FAST_COMPILE"]

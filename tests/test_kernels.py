@@ -10,7 +10,7 @@ import pytest
 from helpers import init_params, one_model_step, z_thresholds
 
 import run
-from egg import cluster, kernel
+from egg import cluster, kernel, mosaic
 
 SIDES, REPEATS, PAIRS, N, M, LAYERS = 2, 2, 32, 32, 64, 3
 
@@ -124,16 +124,25 @@ def counting_kernel_calls(monkeypatch) -> list:
 
 
 # each of --kernels auto's candidates that runs the kernel (run.PRODUCT_CANDIDATES), with flags
+# (the Mosaic kernel's tiles are 64 pairs by 64 outputs at least: 64D, 64 pairs; its interpreter
+# needs JAX 0.12, whose Mosaic GPU interpreter reads a transposed wgmma operand)
+MOSAIC_SIZE = ["--n_embd", "64", "--n_layer", "1", "--parallel_generations_per_gpu", "128"]
+NO_MOSAIC_INTERPRETER = f"no Mosaic GPU interpreter for its kernel under JAX {jax.__version__}"
 AS_A_GPU = [
     ([], "the kernel"),
     (["--algorithm", "upstream"], "the kernel, its products alone"),
     (["--residual_shift", "1"], "the kernel, layer norms before it"),
+    pytest.param(
+        [*MOSAIC_SIZE, "--residual_shift", "1"],
+        run.MOSAIC,
+        marks=pytest.mark.skipif(mosaic.interpreter() is None, reason=NO_MOSAIC_INTERPRETER),
+    ),
 ]
 
 
 def test_every_kernel_candidate_of_kernels_auto_is_compared_with_xlas_products():
     kernels = {n for n, (engine, _) in run.PRODUCT_CANDIDATES.items() if engine == "pallas"}
-    assert kernels == {name for _, name in AS_A_GPU}
+    assert kernels == {(case.values if hasattr(case, "values") else case)[1] for case in AS_A_GPU}
 
 
 @pytest.mark.parametrize("flags, candidate", AS_A_GPU)
@@ -236,10 +245,13 @@ def test_kernel_tiles_are_powers_of_two_over_whole_tiles_of_pairs():
     assert not kernel.takes(pairs=64, distinct=32, m=64, n=16)  # 16 deep: wrong on an H200
 
 
-def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch, capsys):
-    """The product kernel compiles for an H100 here (deviceless); with Pallas's Triton backend gone,
-    as a later JAX may have it, a GPU run says so in one line and uses XLA's products (the same
-    bits, tested above), and --kernels pallas is refused."""
+def test_a_gpu_without_pallas_triton_backend_takes_the_mosaic_kernel_or_xlas_products(
+    monkeypatch, capsys
+):
+    """Both kernels compile for an H100 here (deviceless). With Pallas's Triton backend gone, as a
+    later JAX will have it, a GPU run with --kernels pallas takes the Mosaic GPU kernel (the same
+    bits: test_a_generation_as_a_gpu_runs_it...), said in one line; with Mosaic GPU gone too,
+    XLA's products, said in one line, and --kernels pallas is refused."""
     import sys
 
     import jax.experimental.pallas as pallas
@@ -248,21 +260,73 @@ def test_a_gpu_without_pallas_triton_backend_trains_by_xla_products(monkeypatch,
     from egg import UserError
 
     mesh = bench.target_mesh("h100", 1)
-    assert kernel.fault(mesh.devices.flat[0], run.ARITHMETIC) == ""
+    device = mesh.devices.flat[0]
+    assert (
+        kernel.fault(device, run.ARITHMETIC) == "" == kernel.fault(device, run.ARITHMETIC, "mosaic")
+    )
     monkeypatch.delattr(pallas, "triton", raising=False)
     monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # import fails
-    fault = kernel.fault(mesh.devices.flat[0], run.ARITHMETIC)
-    assert fault.startswith(
-        f"the GPU product kernel cannot run under JAX {jax.__version__} (ModuleNotFoundError"
+    triton = kernel.fault(device, run.ARITHMETIC)
+    assert triton.startswith(
+        f"the Triton product kernel cannot run under JAX {jax.__version__} (ModuleNotFoundError"
     )
     monkeypatch.setattr(cluster, "population_mesh", lambda axis, devices=None: mesh)  # a GPU's mesh
-    small = ["--n_embd", "8", "--n_layer", "1", "--parallel_generations_per_gpu", "16"]
+    small = ["--n_embd", "64", "--n_layer", "1", "--parallel_generations_per_gpu", "128"]
+    args, _, cfg = run.start_devices(run.parse_args([*small, "--kernels", "pallas"]))
+    assert cfg.kernels == "pallas" and cfg.kernel_options == run.PRODUCT_CANDIDATES[run.MOSAIC][1]
+    assert (
+        capsys.readouterr().out == f"products by the Mosaic GPU kernel, the same bits: {triton}\n"
+    )
+    monkeypatch.delattr(pallas, "mosaic_gpu", raising=False)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.mosaic_gpu", None)
+    mosaic_fault = kernel.fault(device, run.ARITHMETIC, "mosaic")
+    assert mosaic_fault.startswith("the Mosaic GPU product kernel cannot run under JAX")
     args, _, cfg = run.start_devices(run.parse_args(small))
     assert args.model.kernels == "xla" and args.cluster.cpu_devices == 1
     assert cfg.kernels == "xla" == run.mesh_config(args, mesh).kernels
-    assert capsys.readouterr().out == f"products by XLA, the same bits: {fault}\n"
-    with pytest.raises(
-        UserError,
-        match=r"^--kernels pallas: the GPU product kernel cannot run .*; use --kernels xla",
-    ):
+    said = f"products by XLA, the same bits: {triton}; {mosaic_fault}\n"
+    assert capsys.readouterr().out == said
+    with pytest.raises(UserError, match=r"^--kernels pallas: the Triton .*; use --kernels xla"):
         run.start_devices(run.parse_args([*small, "--kernels", "pallas"]))
+
+
+def test_the_mosaic_kernel_compiles_for_an_h100_to_wgmmas_left_in_flight():
+    """The Mosaic GPU kernel of a noisy product with a residual, compiled here for an H100
+    (deviceless), its PTX as Mosaic GPU writes it: s8 wgmmas 64 rows tall, each group left in
+    flight while the next chunk's operands arrive by TMA (never waited for at once)."""
+    import tempfile
+    from pathlib import Path
+
+    import bench
+    from egg import hlo
+
+    device = bench.target_mesh("h100", 1).devices.flat[0]
+    options = kernel.Options(normalises=False, sums_noise=False, backend="mosaic")
+
+    def one(x, w, a, xb, residual):
+        args = (x, w, a, None, 2, 1, None, residual)
+        return kernel.product(
+            *args, interpret=False, arithmetic=run.ARITHMETIC, options=options, xb=xb
+        )
+
+    shapes = [((128, 512), "int8"), ((1, 2, 128, 256), "int8"), ((1, 2, 64, 128), "int8")]
+    shapes += [((1, 2, 128), "int32"), ((128, 256), "int8")]
+    placed = jax.sharding.SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(s, d, sharding=placed) for s, d in shapes]
+    with tempfile.TemporaryDirectory() as dump, bench.mosaic_dumps_to(dump):
+        jax.jit(one).lower(*specs).compile()
+        ptx = "".join(p.read_text() for p in Path(dump).glob("*.ptx"))
+    assert "cp.async.bulk.tensor" in ptx  # TMA
+    (code,) = [hlo.mma_code(lines) for lines in hlo.ptx_entries(ptx).values()]
+    assert code.kind == "wgmma" and code.shape == "m64n64k32" and code.mmas == 256 // 32
+    assert code.waited_at_once == 0 and code.in_flight == 1
+
+
+def test_mosaic_tiles_are_64_pairs_by_64_outputs_and_inputs_at_least():
+    assert mosaic.takes(pairs=128, distinct=64, m=64, n=64)
+    assert not mosaic.takes(pairs=64, distinct=32, m=64, n=64)  # a wgmma is 64 rows tall
+    assert not mosaic.takes(pairs=128, distinct=64, m=32, n=64)
+    assert not mosaic.takes(pairs=128, distinct=64, m=64, n=32)
+    assert mosaic.tiles(132, groups=1, pairs=8192, m=256, n=1024, sides=2) == (256, 128)
+    assert mosaic.tiles(132, groups=1, pairs=1024, m=256, n=1024, sides=2) == (64, 128)
+    assert mosaic.tiles(264, groups=1, pairs=1024, m=256, n=192, sides=2) == (64, 64)
