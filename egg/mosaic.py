@@ -28,7 +28,9 @@ import jax.numpy as jnp
 
 i32 = jnp.int32
 ROWS = 64  # pairs a tile: a warpgroup's wgmma is 64 rows tall
-COLUMNS = (64, 128, 256)  # the tiles of outputs it may take (a wgmma's width: at most 256)
+# the tiles of outputs it may take: a wgmma is up to 256 wide, but 64 x 256 int32 accumulators and
+# a residual's epilogue took 255 registers a thread, spilled (ptxas, 256D-6L's W_2)
+COLUMNS = (64, 128)
 DEPTHS = (128, 64)  # the chunks of inputs a stage may hold, longest first (a 64- or 128-byte row)
 STAGES = 2  # chunks of x and W in shared memory at once: one multiplied while the next arrives
 SCALARS = 32  # int32s of the scalars' block (layer, sigma_shift): TMA moves 128 bytes at least

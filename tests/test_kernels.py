@@ -327,6 +327,6 @@ def test_mosaic_tiles_are_64_pairs_by_64_outputs_and_inputs_at_least():
     assert not mosaic.takes(pairs=64, distinct=32, m=64, n=64)  # a wgmma is 64 rows tall
     assert not mosaic.takes(pairs=128, distinct=64, m=32, n=64)
     assert not mosaic.takes(pairs=128, distinct=64, m=64, n=32)
-    assert mosaic.tiles(132, groups=1, pairs=8192, m=256, n=1024, sides=2) == (256, 128)
+    assert mosaic.tiles(132, groups=1, pairs=8192, m=256, n=1024, sides=2) == (128, 128)
     assert mosaic.tiles(132, groups=1, pairs=1024, m=256, n=1024, sides=2) == (64, 128)
     assert mosaic.tiles(264, groups=1, pairs=1024, m=256, n=192, sides=2) == (64, 64)
