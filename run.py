@@ -3014,8 +3014,8 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
     cfg = mesh_config(args, mesh)
     if cfg.kernels != "pallas":
         return args, mesh, cfg
-    device, platform = mesh.devices.flat[0], mesh.devices.flat[0].platform
-    faults = {backend: kernel.fault(device, ARITHMETIC, backend) for backend in kernel.BACKENDS}
+    platform = mesh.devices.flat[0].platform
+    faults = {b: kernel.fault(mesh.devices.flat[0], ARITHMETIC, b) for b in kernel.BACKENDS}
     names = [n for n, (e, o) in PRODUCT_CANDIDATES.items() if e == "xla" or not faults[o.backend]]
     said = "; ".join(fault for fault in faults.values() if fault)
     kernels_run = [n for n in names if PRODUCT_CANDIDATES[n][0] == "pallas"]
@@ -3038,7 +3038,7 @@ def start_devices(args: Args) -> tuple[Args, jax.sharding.Mesh, Config]:
         chosen = np.int32(names.index(best))
     if jax.process_count() > 1:  # a sync point: every process compiles the same program
         chosen = multihost_utils.broadcast_one_to_all(chosen)
-    return args, mesh, as_candidate(cfg, names[int(chosen)], mesh.devices.flat[0].platform)
+    return args, mesh, as_candidate(cfg, names[int(chosen)], platform)
 
 
 def data_fingerprint(data) -> str:

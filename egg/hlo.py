@@ -399,11 +399,11 @@ def ptx_entries(ptx: str) -> dict[str, list[str]]:
         code = line.split("//")[0].strip()
         if name is None or not code:
             continue
-        for statement in code.split(";") if ";" in code else [code]:
-            statement = " ".join(statement.split())
-            statement = statement[1:].strip() if statement.startswith("{") else statement
+        end = ";" if ";" in code else ""
+        for statement in code.split(";"):
+            statement = " ".join(statement.split()).removeprefix("{").strip()
             if statement not in ("", "}") and not statement.startswith(".reg"):
-                entries[name].append(statement + (";" if ";" in code else ""))
+                entries[name].append(statement + end)
     return entries
 
 
